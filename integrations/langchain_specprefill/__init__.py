@@ -1,0 +1,1 @@
+"""LangChain chat model backed by a specprefill-engine Engine."""

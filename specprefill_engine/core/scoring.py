@@ -1,0 +1,181 @@
+"""Score prompt tokens by how much a draft model's lookahead attends to them.
+
+The draft prefills the prompt, then decodes a few lookahead tokens. On each
+lookahead step we capture every attention layer's post-RoPE query (the first
+`rope` call of a forward is the query in mlx-lm's attention layers) and score it
+against the cached prompt keys: softmax(q k^T * scale), average-pooled along the
+prompt, max over layers x heads, mean over lookahead steps. Scores are reduced one
+layer at a time, so the extra memory is one layer's (heads, steps, M) block.
+"""
+
+from typing import Callable, Optional, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from .adapters import AttentionSite, UnsupportedModelError, attention_sites, sees_whole_prompt
+
+CancelCheck = Optional[Callable[[], None]]
+
+
+class Scorer(Protocol):
+    """Anything that returns one importance score per prompt token."""
+
+    def score(self, tokens: mx.array, cancel_check: CancelCheck = None) -> mx.array: ...
+
+
+class QueryCapture(nn.Module):
+    """Wraps a rope and keeps the first output of each forward (the query)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.query = None
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        out = self.inner(x, offset=offset)
+        if self.query is None:
+            self.query = out
+        return out
+
+
+def average_pool(x: mx.array, kernel: int) -> mx.array:
+    """Stride-1 average pool over the last axis, zero padded to keep the length."""
+    if kernel <= 1:
+        return x
+    left = kernel // 2
+    right = kernel - 1 - left
+    pad = [(0, 0)] * (x.ndim - 1) + [(left + 1, right)]
+    total = mx.cumsum(mx.pad(x, pad), axis=-1)
+    return (total[..., kernel:] - total[..., :-kernel]) / kernel
+
+
+def layer_importance(query: mx.array, keys: mx.array, scale: float, pool_kernel: int):
+    """(steps, M) importance for one layer: max over heads of pooled attention.
+
+    query: (1, Hq, steps, D) post-RoPE; keys: (1, Hkv, M, D) post-RoPE.
+    """
+    _, n_heads, steps, dim = query.shape
+    n_kv = keys.shape[1]
+    q = query.astype(mx.float32).reshape(n_kv, n_heads // n_kv, steps, dim)
+    k = keys[0].astype(mx.float32)[:, None]
+    attention = mx.softmax((q * scale) @ k.swapaxes(-1, -2), axis=-1)
+    pooled = average_pool(attention, pool_kernel)
+    return pooled.max(axis=(0, 1))
+
+
+def _prefill(model, tokens: mx.array, cache, step_size: int, cancel_check: CancelCheck):
+    for start in range(0, tokens.size, step_size):
+        if cancel_check:
+            cancel_check()
+        model(tokens[start : start + step_size][None], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def _scored_sites(model, prompt_length: int, cache) -> list[AttentionSite]:
+    sites = [
+        site
+        for site in attention_sites(model)
+        if sees_whole_prompt(cache[site.cache_index], prompt_length)
+    ]
+    if not sites:
+        raise UnsupportedModelError(
+            "the draft has no attention layer whose cache sees the whole prompt"
+        )
+    return sites
+
+
+def score_tokens(
+    draft_model: nn.Module,
+    tokens,
+    n_lookahead: int = 8,
+    pool_kernel: int = 13,
+    step_size: int = 2048,
+    temperature: float = 0.0,
+    cancel_check: CancelCheck = None,
+) -> mx.array:
+    """Importance of every prompt token, shape (M,), float32.
+
+    Lookahead is greedy unless `temperature` > 0. The draft's cache is freed
+    before returning. `cancel_check()` runs between prefill chunks and steps and
+    may raise to abort.
+    """
+    tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
+    prompt_length = tokens.size
+    if prompt_length < 1:
+        raise ValueError("cannot score an empty prompt")
+    if n_lookahead < 1:
+        raise ValueError("n_lookahead must be at least 1")
+    cache = make_prompt_cache(draft_model)
+    sites = _scored_sites(draft_model, prompt_length, cache)
+    _prefill(draft_model, tokens[:-1], cache, step_size, cancel_check)
+
+    captures = []
+    for site in sites:
+        capture = QueryCapture(site.attention["rope"])
+        site.attention.rope = capture
+        captures.append(capture)
+    queries = [[] for _ in sites]
+    try:
+        token = tokens[-1:]
+        for _ in range(n_lookahead):
+            if cancel_check:
+                cancel_check()
+            for capture in captures:
+                capture.query = None
+            logits = draft_model(token[None], cache=cache)[0, -1]
+            if temperature > 0:
+                token = mx.random.categorical(logits / temperature)[None]
+            else:
+                token = mx.argmax(logits)[None]
+            for layer_queries, capture in zip(queries, captures):
+                layer_queries.append(capture.query)
+            mx.eval(token, [q[-1] for q in queries])
+    finally:
+        for site, capture in zip(sites, captures):
+            site.attention.rope = capture.inner
+
+    importance = None
+    for site, layer_queries in zip(sites, queries):
+        if cancel_check:
+            cancel_check()
+        attention = site.attention
+        query = mx.concatenate(layer_queries, axis=2)
+        keys = cache[site.cache_index].keys[..., :prompt_length, :]
+        scale = getattr(attention, "scale", query.shape[-1] ** -0.5)
+        layer = layer_importance(query, keys, scale, pool_kernel)
+        importance = layer if importance is None else mx.maximum(importance, layer)
+        mx.eval(importance)
+    del cache, queries
+    mx.clear_cache()
+    return importance.mean(axis=0)
+
+
+class DraftScorer:
+    """A draft model that shares the target's tokenizer, as a Scorer."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        n_lookahead: int = 8,
+        pool_kernel: int = 13,
+        step_size: int = 2048,
+        temperature: float = 0.0,
+    ):
+        self.model = model
+        self.n_lookahead = n_lookahead
+        self.pool_kernel = pool_kernel
+        self.step_size = step_size
+        self.temperature = temperature
+
+    def score(self, tokens: mx.array, cancel_check: CancelCheck = None) -> mx.array:
+        return score_tokens(
+            self.model,
+            tokens,
+            n_lookahead=self.n_lookahead,
+            pool_kernel=self.pool_kernel,
+            step_size=self.step_size,
+            temperature=self.temperature,
+            cancel_check=cancel_check,
+        )

@@ -1,0 +1,53 @@
+"""Pick which prompt tokens the target prefills: whole chunks, by mean importance.
+
+Always kept, inside the budget: the first chunk (attention sinks, the chat
+template's start) and every chunk that overlaps the prompt's last `tail_tokens`
+(the question and the template's end, so the first generated token comes from the
+real last prompt token). `backbone_pct` adds evenly spaced chunks. The rest of the
+budget goes to the chunks with the highest mean importance. All of it runs as array
+ops; the only host transfer is the final index list.
+"""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+
+def select_chunks(
+    importance: mx.array,
+    keep_pct: float = 0.3,
+    chunk_size: int = 32,
+    backbone_pct: float = 0.0,
+    tail_tokens: int = 64,
+) -> mx.array:
+    """Sorted int32 indices of the kept tokens."""
+    if not 0.0 < keep_pct <= 1.0:
+        raise ValueError(f"keep_pct must be in (0, 1], got {keep_pct}")
+    if not 0.0 <= backbone_pct <= 1.0:
+        raise ValueError(f"backbone_pct must be in [0, 1], got {backbone_pct}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    importance = importance.reshape(-1).astype(mx.float32)
+    length = importance.size
+    if length == 0:
+        raise ValueError("importance is empty")
+    n_chunks = math.ceil(length / chunk_size)
+    padded = mx.pad(importance, [(0, n_chunks * chunk_size - length)])
+    counts = mx.minimum(length - mx.arange(n_chunks) * chunk_size, chunk_size)
+    chunk_mean = padded.reshape(n_chunks, chunk_size).sum(axis=1) / counts
+
+    chunk_ids = mx.arange(n_chunks)
+    first_tail_chunk = max(length - max(tail_tokens, 1), 0) // chunk_size
+    backbone = np.zeros(n_chunks, dtype=bool)
+    n_backbone = round(backbone_pct * n_chunks)
+    if n_backbone > 0:
+        backbone[np.linspace(0, n_chunks - 1, n_backbone).round().astype(np.int64)] = True
+    forced = (chunk_ids == 0) | (chunk_ids >= first_tail_chunk) | mx.array(backbone)
+
+    budget = max(1, math.ceil(keep_pct * n_chunks))
+    ranked = mx.where(forced, mx.inf, chunk_mean)
+    rank = mx.argsort(mx.argsort(-ranked))
+    kept_chunks = forced | (rank < budget)
+    token_mask = mx.repeat(kept_chunks, chunk_size)[:length]
+    return mx.array(np.flatnonzero(np.array(token_mask)).astype(np.int32))

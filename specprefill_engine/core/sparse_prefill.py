@@ -1,0 +1,90 @@
+"""Prefill the target on the kept tokens only, each at its original position.
+
+Kept tokens are fed in order, so the cache holds N = len(selected) entries and the
+causal mask in kept-token space is the right one; RoPE gets the true positions from
+`PositionedRoPE`. Afterwards the model decodes at M + offset through a shift on the
+same wrappers, until `cleanup_rope`.
+"""
+
+from typing import Generator, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .adapters import attention_sites
+from .positions import install_rope, position_runs, positioned_rope
+from .scoring import CancelCheck
+
+
+def _validated(tokens, selected) -> tuple[mx.array, np.ndarray]:
+    tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
+    tokens = tokens.reshape(-1)
+    kept = np.asarray(selected, dtype=np.int64).reshape(-1)
+    length = tokens.size
+    if kept.size == 0:
+        raise ValueError("no tokens selected")
+    if np.any(np.diff(kept) <= 0) or kept[0] < 0 or kept[-1] >= length:
+        raise ValueError("selected must be sorted, unique indices into the prompt")
+    if kept[-1] != length - 1:
+        raise ValueError("selected must keep the last prompt token")
+    return tokens, kept
+
+
+def decode_shift(model: nn.Module, cache, prompt_length: int, position_offset: int) -> int:
+    """How far decode positions must move so the next token lands at M + offset."""
+    site = attention_sites(model)[0]
+    return position_offset + prompt_length - cache[site.cache_index].offset
+
+
+def sparse_prefill_steps(
+    model: nn.Module,
+    tokens,
+    selected,
+    cache,
+    step_size: int = 2048,
+    position_offset: int = 0,
+) -> Generator[int, None, tuple[mx.array, int]]:
+    """Prefill one chunk per iteration (yields kept tokens done so far).
+
+    Returns (logits of the last prompt token, decode shift). The model is unwrapped
+    between chunks, so other requests may run on it in between.
+    """
+    tokens, kept = _validated(tokens, selected)
+    for start in range(0, kept.size, step_size):
+        chunk = kept[start : start + step_size]
+        runs = position_runs(chunk + position_offset)
+        with positioned_rope(model, runs=runs):
+            logits = model(tokens[mx.array(chunk)][None], cache=cache)[:, -1, :]
+        mx.eval(logits, [c.state for c in cache])
+        yield start + chunk.size
+    shift = decode_shift(model, cache, tokens.size, position_offset)
+    return logits, shift
+
+
+def sparse_prefill(
+    model: nn.Module,
+    tokens,
+    selected,
+    cache,
+    step_size: int = 2048,
+    position_offset: int = 0,
+    cancel_check: CancelCheck = None,
+) -> mx.array:
+    """Run the kept tokens through `model` and return the last token's logits.
+
+    Leaves the model's RoPE shifted so that plain `model(y, cache=cache)` calls
+    decode at M + position_offset onwards; call `cleanup_rope(model)` when done.
+    On any exception the model is left unwrapped.
+    """
+    steps = sparse_prefill_steps(model, tokens, selected, cache, step_size, position_offset)
+    while True:
+        if cancel_check:
+            cancel_check()
+        try:
+            next(steps)
+        except StopIteration as done:
+            logits, shift = done.value
+            break
+    install_rope(model, shift=shift)
+    return logits

@@ -1,0 +1,17 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import specprefill_engine  # noqa: E402,F401  (loads the optimized BLAS before MLX)
+
+
+@pytest.fixture(scope="session")
+def demo_pair():
+    from specprefill_engine.loading import DEMO_DRAFT, load_model
+
+    target, tokenizer = load_model()
+    draft, _ = load_model(default=DEMO_DRAFT)
+    return target, draft, tokenizer
