@@ -2,7 +2,7 @@
 
 from .adapters import UnsupportedModelError, attention_sites
 from .positions import cleanup_rope, positioned_rope
-from .scoring import DraftScorer, Scorer, score_tokens
+from .scoring import DraftScorer, Scorer, run_steps, score_steps, score_tokens
 from .selection import select_chunks
 from .sparse_prefill import sparse_prefill, sparse_prefill_steps
 
@@ -13,6 +13,8 @@ __all__ = [
     "attention_sites",
     "cleanup_rope",
     "positioned_rope",
+    "run_steps",
+    "score_steps",
     "score_tokens",
     "select_chunks",
     "sparse_prefill",

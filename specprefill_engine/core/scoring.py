@@ -8,7 +8,7 @@ prompt, max over layers x heads, mean over lookahead steps. Scores are reduced o
 layer at a time, so the extra memory is one layer's (heads, steps, M) block.
 """
 
-from typing import Callable, Optional, Protocol
+from typing import Callable, Generator, Optional, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,7 +20,13 @@ CancelCheck = Optional[Callable[[], None]]
 
 
 class Scorer(Protocol):
-    """Anything that returns one importance score per prompt token."""
+    """Anything that returns one importance score per prompt token.
+
+    `score_steps` does the work one unit per iteration and returns the scores, so
+    the engine can interleave it with other requests; `score` runs it to the end.
+    """
+
+    def score_steps(self, tokens: mx.array) -> Generator[int, None, mx.array]: ...
 
     def score(self, tokens: mx.array, cancel_check: CancelCheck = None) -> mx.array: ...
 
@@ -65,14 +71,6 @@ def layer_importance(query: mx.array, keys: mx.array, scale: float, pool_kernel:
     return pooled.max(axis=(0, 1))
 
 
-def _prefill(model, tokens: mx.array, cache, step_size: int, cancel_check: CancelCheck):
-    for start in range(0, tokens.size, step_size):
-        if cancel_check:
-            cancel_check()
-        model(tokens[start : start + step_size][None], cache=cache)
-        mx.eval([c.state for c in cache])
-
-
 def _scored_sites(model, prompt_length: int, cache) -> list[AttentionSite]:
     sites = [
         site
@@ -84,6 +82,91 @@ def _scored_sites(model, prompt_length: int, cache) -> list[AttentionSite]:
             "the draft has no attention layer whose cache sees the whole prompt"
         )
     return sites
+
+
+def _forward_capturing_queries(model, token: mx.array, cache, sites) -> tuple:
+    """One decode step; returns (logits, post-RoPE query per site).
+
+    The capture wrappers live only for this call, so other users of the same
+    draft between steps see the plain model.
+    """
+    captures = [QueryCapture(site.attention["rope"]) for site in sites]
+    for site, capture in zip(sites, captures):
+        site.attention.rope = capture
+    try:
+        logits = model(token[None], cache=cache)[0, -1]
+    finally:
+        for site, capture in zip(sites, captures):
+            site.attention.rope = capture.inner
+    return logits, [capture.query for capture in captures]
+
+
+def score_steps(
+    draft_model: nn.Module,
+    tokens,
+    n_lookahead: int = 8,
+    pool_kernel: int = 13,
+    step_size: int = 2048,
+    temperature: float = 0.0,
+) -> Generator[int, None, mx.array]:
+    """`score_tokens` one unit of work per iteration (a chunk, a step, a layer).
+
+    Yields the number of units done; returns the importance array.
+    """
+    tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
+    tokens = tokens.reshape(-1)
+    prompt_length = tokens.size
+    if prompt_length < 1:
+        raise ValueError("cannot score an empty prompt")
+    if n_lookahead < 1:
+        raise ValueError("n_lookahead must be at least 1")
+    cache = make_prompt_cache(draft_model)
+    sites = _scored_sites(draft_model, prompt_length, cache)
+    done = 0
+    for start in range(0, prompt_length - 1, step_size):
+        draft_model(tokens[start : min(start + step_size, prompt_length - 1)][None], cache=cache)
+        mx.eval([c.state for c in cache])
+        done += 1
+        yield done
+
+    queries = [[] for _ in sites]
+    token = tokens[-1:]
+    for _ in range(n_lookahead):
+        logits, step_queries = _forward_capturing_queries(draft_model, token, cache, sites)
+        if temperature > 0:
+            token = mx.random.categorical(logits / temperature)[None]
+        else:
+            token = mx.argmax(logits)[None]
+        for layer_queries, query in zip(queries, step_queries):
+            layer_queries.append(query)
+        mx.eval(token, step_queries)
+        done += 1
+        yield done
+
+    importance = None
+    for site, layer_queries in zip(sites, queries):
+        query = mx.concatenate(layer_queries, axis=2)
+        keys = cache[site.cache_index].keys[..., :prompt_length, :]
+        scale = getattr(site.attention, "scale", query.shape[-1] ** -0.5)
+        layer = layer_importance(query, keys, scale, pool_kernel)
+        importance = layer if importance is None else mx.maximum(importance, layer)
+        mx.eval(importance)
+        done += 1
+        yield done
+    del cache, queries
+    mx.clear_cache()
+    return importance.mean(axis=0)
+
+
+def run_steps(steps: Generator, cancel_check: CancelCheck = None):
+    """Drive a step generator to its return value, checking for cancellation."""
+    while True:
+        if cancel_check:
+            cancel_check()
+        try:
+            next(steps)
+        except StopIteration as finished:
+            return finished.value
 
 
 def score_tokens(
@@ -98,58 +181,11 @@ def score_tokens(
     """Importance of every prompt token, shape (M,), float32.
 
     Lookahead is greedy unless `temperature` > 0. The draft's cache is freed
-    before returning. `cancel_check()` runs between prefill chunks and steps and
-    may raise to abort.
+    before returning. `cancel_check()` runs between prefill chunks, lookahead
+    steps and layers, and may raise to abort.
     """
-    tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
-    prompt_length = tokens.size
-    if prompt_length < 1:
-        raise ValueError("cannot score an empty prompt")
-    if n_lookahead < 1:
-        raise ValueError("n_lookahead must be at least 1")
-    cache = make_prompt_cache(draft_model)
-    sites = _scored_sites(draft_model, prompt_length, cache)
-    _prefill(draft_model, tokens[:-1], cache, step_size, cancel_check)
-
-    captures = []
-    for site in sites:
-        capture = QueryCapture(site.attention["rope"])
-        site.attention.rope = capture
-        captures.append(capture)
-    queries = [[] for _ in sites]
-    try:
-        token = tokens[-1:]
-        for _ in range(n_lookahead):
-            if cancel_check:
-                cancel_check()
-            for capture in captures:
-                capture.query = None
-            logits = draft_model(token[None], cache=cache)[0, -1]
-            if temperature > 0:
-                token = mx.random.categorical(logits / temperature)[None]
-            else:
-                token = mx.argmax(logits)[None]
-            for layer_queries, capture in zip(queries, captures):
-                layer_queries.append(capture.query)
-            mx.eval(token, [q[-1] for q in queries])
-    finally:
-        for site, capture in zip(sites, captures):
-            site.attention.rope = capture.inner
-
-    importance = None
-    for site, layer_queries in zip(sites, queries):
-        if cancel_check:
-            cancel_check()
-        attention = site.attention
-        query = mx.concatenate(layer_queries, axis=2)
-        keys = cache[site.cache_index].keys[..., :prompt_length, :]
-        scale = getattr(attention, "scale", query.shape[-1] ** -0.5)
-        layer = layer_importance(query, keys, scale, pool_kernel)
-        importance = layer if importance is None else mx.maximum(importance, layer)
-        mx.eval(importance)
-    del cache, queries
-    mx.clear_cache()
-    return importance.mean(axis=0)
+    steps = score_steps(draft_model, tokens, n_lookahead, pool_kernel, step_size, temperature)
+    return run_steps(steps, cancel_check)
 
 
 class DraftScorer:
@@ -169,13 +205,11 @@ class DraftScorer:
         self.step_size = step_size
         self.temperature = temperature
 
-    def score(self, tokens: mx.array, cancel_check: CancelCheck = None) -> mx.array:
-        return score_tokens(
-            self.model,
-            tokens,
-            n_lookahead=self.n_lookahead,
-            pool_kernel=self.pool_kernel,
-            step_size=self.step_size,
-            temperature=self.temperature,
-            cancel_check=cancel_check,
+    def score_steps(self, tokens: mx.array) -> Generator[int, None, mx.array]:
+        return score_steps(
+            self.model, tokens, self.n_lookahead, self.pool_kernel, self.step_size,
+            self.temperature,
         )
+
+    def score(self, tokens: mx.array, cancel_check: CancelCheck = None) -> mx.array:
+        return run_steps(self.score_steps(tokens), cancel_check)

@@ -14,7 +14,7 @@ import numpy as np
 
 from .adapters import attention_sites
 from .positions import install_rope, position_runs, positioned_rope
-from .scoring import CancelCheck
+from .scoring import CancelCheck, run_steps
 
 
 def _validated(tokens, selected) -> tuple[mx.array, np.ndarray]:
@@ -78,13 +78,6 @@ def sparse_prefill(
     On any exception the model is left unwrapped.
     """
     steps = sparse_prefill_steps(model, tokens, selected, cache, step_size, position_offset)
-    while True:
-        if cancel_check:
-            cancel_check()
-        try:
-            next(steps)
-        except StopIteration as done:
-            logits, shift = done.value
-            break
+    logits, shift = run_steps(steps, cancel_check)
     install_rope(model, shift=shift)
     return logits

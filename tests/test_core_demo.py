@@ -1,0 +1,129 @@
+"""The core on the trained demo pair: scoring, selection, exactness, quality."""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from specprefill_engine.core import cleanup_rope, score_tokens, select_chunks, sparse_prefill
+from specprefill_engine.demo_tasks import make_case
+
+
+def prompt_ids(tokenizer, seed, kind="passkey", n_tokens=2048):
+    case = make_case(tokenizer, seed, kind, n_tokens)
+    return case, tokenizer.apply_chat_template(case.messages, add_generation_prompt=True)
+
+
+def greedy_after(model, logits, cache, n):
+    tokens = [mx.argmax(logits, axis=-1).item()]
+    while len(tokens) < n:
+        logits = model(mx.array([[tokens[-1]]]), cache=cache)[:, -1]
+        tokens.append(mx.argmax(logits, axis=-1).item())
+    return tokens
+
+
+def dense_greedy(model, ids, n):
+    return [t for t, _ in generate_step(mx.array(ids), model, max_tokens=n, prefill_step_size=512)]
+
+
+def sparse_greedy(model, ids, kept, n):
+    cache = make_prompt_cache(model)
+    try:
+        return greedy_after(model, sparse_prefill(model, ids, kept, cache, step_size=512), cache, n)
+    finally:
+        cleanup_rope(model)
+
+
+def test_select_chunks_keeps_first_chunk_tail_and_budget():
+    importance = mx.zeros(1000).at[500:520].add(1.0)
+    kept = np.array(select_chunks(importance, keep_pct=0.2, chunk_size=32, tail_tokens=40))
+    chunks = set((kept // 32).tolist())
+    assert 0 in chunks and 31 in chunks and 30 in chunks  # first chunk; tail 960..999
+    assert 15 in chunks and 16 in chunks  # the important tokens 500..519
+    assert len(chunks) == 7  # ceil(0.2 * 32) chunks, forced ones inside the budget
+    assert np.all(np.diff(kept) > 0) and kept[-1] == 999
+    assert select_chunks(importance, keep_pct=1.0).size == 1000
+
+
+def test_select_chunks_backbone_and_bad_keep():
+    importance = mx.zeros(3200)
+    kept = np.array(select_chunks(importance, keep_pct=0.1, backbone_pct=0.1, tail_tokens=32))
+    assert len(set((kept // 32).tolist())) == 10
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError):
+            select_chunks(importance, keep_pct=bad)
+
+
+def test_score_tokens_is_finite_deterministic_and_cancellable(demo_pair):
+    _, draft, tokenizer = demo_pair
+    _, ids = prompt_ids(tokenizer, 0, n_tokens=600)
+    calls = []
+    first = score_tokens(draft, ids, step_size=256, cancel_check=lambda: calls.append(1))
+    second = score_tokens(draft, ids, step_size=256)
+    assert first.shape == (len(ids),) and first.dtype == mx.float32
+    assert mx.all(mx.isfinite(first)).item()
+    assert mx.array_equal(first, second)
+    assert len(calls) >= 3 + 8  # prefill chunks and lookahead steps
+
+    def cancel():
+        raise TimeoutError("stop")
+
+    with pytest.raises(TimeoutError):
+        score_tokens(draft, ids, cancel_check=cancel)
+    assert mx.array_equal(score_tokens(draft, ids, step_size=256), first)
+
+
+def test_keep_all_gives_mlx_lm_dense_greedy_tokens(demo_pair):
+    target, draft, tokenizer = demo_pair
+    _, ids = prompt_ids(tokenizer, 1, n_tokens=700)
+    kept = select_chunks(score_tokens(draft, ids), keep_pct=1.0)
+    assert sparse_greedy(target, ids, kept, 12) == dense_greedy(target, ids, 12)
+
+
+def test_no_state_leaks_after_sparse_or_failed_requests(demo_pair):
+    target, draft, tokenizer = demo_pair
+    _, ids = prompt_ids(tokenizer, 2, n_tokens=700)
+    reference = dense_greedy(target, ids, 8)
+    sparse_greedy(target, ids, select_chunks(score_tokens(draft, ids), 0.3), 4)
+    assert dense_greedy(target, ids, 8) == reference
+
+    def fail():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        sparse_prefill(target, ids, mx.arange(len(ids)), make_prompt_cache(target),
+                       step_size=128, cancel_check=fail)
+    assert dense_greedy(target, ids, 8) == reference
+
+
+def answer_of(tokenizer, tokens):
+    return tokenizer.decode(tokens).split("<|end|>")[0].strip()
+
+
+def test_passkey_quality_at_keep_30_percent(demo_pair):
+    """SpecPrefill keeps the needle; a random selection of the same size does not."""
+    target, draft, tokenizer = demo_pair
+    rng = random.Random(0)
+    dense_right = sparse_right = both_right = random_right = 0
+    n_cases = 20
+    for seed in range(n_cases):
+        case, ids = prompt_ids(tokenizer, 100 + seed, "passkey", 2048)
+        n = len(case.answer) + 1
+        dense_ok = answer_of(tokenizer, dense_greedy(target, ids, n)) == case.answer
+        kept = select_chunks(score_tokens(draft, ids), keep_pct=0.3)
+        sparse_ok = answer_of(tokenizer, sparse_greedy(target, ids, kept, n)) == case.answer
+        chunks = sorted(rng.sample(range(len(ids) // 32), kept.size // 32))
+        random_kept = sorted({i for c in chunks for i in range(c * 32, c * 32 + 32)}
+                             | set(range(len(ids) - 64, len(ids))) | set(range(32)))
+        random_ok = answer_of(tokenizer, sparse_greedy(target, ids, random_kept, n)) == case.answer
+        dense_right += dense_ok
+        sparse_right += sparse_ok
+        both_right += dense_ok and sparse_ok
+        random_right += random_ok
+    print(f"dense {dense_right}/{n_cases} sparse {sparse_right} random {random_right}")
+    assert dense_right >= 0.8 * n_cases
+    assert both_right >= 0.9 * dense_right
+    assert random_right <= 0.5 * dense_right
