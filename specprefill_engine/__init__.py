@@ -4,7 +4,8 @@ from ._blas import preload_blas
 
 preload_blas()
 
+from .engine import Chunk, Engine, Result  # noqa: E402
 from .loading import ModelLoadError, load_model  # noqa: E402
 
-__all__ = ["ModelLoadError", "load_model"]
+__all__ = ["Chunk", "Engine", "ModelLoadError", "Result", "load_model"]
 __version__ = "0.1.0"

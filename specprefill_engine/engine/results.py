@@ -1,0 +1,55 @@
+"""What a request gives back: stream chunks and the final result."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Timings:
+    """Seconds, measured on the worker; decode_tokens_per_s excludes the first token."""
+
+    queue_wait: float = 0.0
+    scoring: float = 0.0
+    prefill: float = 0.0
+    time_to_first_token: float = 0.0
+    decode_tokens_per_s: float = 0.0
+
+
+@dataclass
+class SpecPrefillReport:
+    engaged: bool = False
+    reason: str = ""
+    kept_tokens: int = 0
+    total_tokens: int = 0
+    keep: float = 1.0
+
+
+@dataclass
+class Chunk:
+    """One piece of a stream. Usage, timings and the report come on the last only."""
+
+    text: str
+    token_ids: list
+    finish_reason: Optional[str] = None
+    usage: Optional[Usage] = None
+    timings: Optional[Timings] = None
+    specprefill: Optional[SpecPrefillReport] = None
+    request_id: str = ""
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    specprefill: SpecPrefillReport
+    request_id: str = ""
