@@ -45,7 +45,7 @@ class PrefixCache:
         self.entries.move_to_end(best_key)
         _, states, _ = self.entries[best_key]
         for layer, (keys, values) in zip(cache, states):
-            layer.state = (keys[..., :best_length, :], values[..., :best_length, :])
+            layer.state = (keys[..., :best_length, :], values[..., :best_length, :], best_length)
         return cache, best_length
 
     def store(self, tokens: np.ndarray, cache: list) -> None:

@@ -1,0 +1,222 @@
+"""The async engine on the demo pair: equality, concurrency, cancellation, errors."""
+
+import asyncio
+import sys
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from specprefill_engine import Engine, ModelLoadError, load_model
+from specprefill_engine.demo_tasks import make_case
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = Engine(step_size=256).start_sync()
+    yield engine
+    engine.shutdown_sync()
+
+
+def chat(engine, seed, n_tokens=300, kind="passkey"):
+    return make_case(engine.tokenizer, seed, kind, n_tokens).messages
+
+
+async def test_generate_equals_stream_equals_mlx_lm(engine):
+    messages = chat(engine, 1)
+    result = await engine.generate(messages, max_tokens=24, specprefill=False)
+    chunks = [c async for c in engine.stream(messages, max_tokens=24, specprefill=False)]
+    assert "".join(c.text for c in chunks) == result.text
+    assert [t for c in chunks for t in c.token_ids] == result.token_ids
+    assert chunks[-1].finish_reason == result.finish_reason and chunks[-1].usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    model, tokenizer = load_model()  # mlx-lm's own loop on its own copy, in this thread
+    expected = []
+    for token, _ in generate_step(mx.array(ids), model, max_tokens=24):
+        if token in tokenizer.eos_token_ids:
+            break
+        expected.append(token)
+    assert result.token_ids == expected
+
+
+async def test_sixteen_concurrent_requests_match_their_solo_results(engine):
+    prompts = [chat(engine, 10 + i, n_tokens=120 + 20 * i) for i in range(16)]
+    solo = [await engine.generate(p, max_tokens=8, specprefill=False) for p in prompts]
+    together = await asyncio.gather(
+        *(engine.generate(p, max_tokens=8, specprefill=False) for p in prompts)
+    )
+    assert [r.token_ids for r in together] == [r.token_ids for r in solo]
+
+
+async def test_sparse_requests_interleaved_with_dense_ones_stay_exact(engine):
+    long = chat(engine, 3, n_tokens=1500)
+    short = chat(engine, 4, n_tokens=200)
+    sparse_alone = await engine.generate(long, max_tokens=8, specprefill=True)
+    dense_alone = await engine.generate(short, max_tokens=30, specprefill=False)
+    sparse, dense = await asyncio.gather(
+        engine.generate(long, max_tokens=8, specprefill=True),
+        engine.generate(short, max_tokens=30, specprefill=False),
+    )
+    assert sparse.specprefill.engaged and sparse.token_ids == sparse_alone.token_ids
+    assert dense.token_ids == dense_alone.token_ids
+
+
+async def test_break_out_of_stream_aborts_and_next_request_is_clean(engine):
+    messages = chat(engine, 5)
+    reference = await engine.generate(messages, max_tokens=16, specprefill=False)
+    stream = engine.stream(messages, max_tokens=200, specprefill=False)
+    received = 0
+    started = time.perf_counter()
+    async for _ in stream:
+        received += 1
+        if received == 2:
+            break
+    await stream.aclose()
+    assert time.perf_counter() - started < 10
+    assert not engine._requests
+    again = await engine.generate(messages, max_tokens=16, specprefill=False)
+    assert again.token_ids == reference.token_ids
+
+
+async def test_cancel_during_draft_prefill_returns_quickly(engine):
+    messages = chat(engine, 6, n_tokens=8000)
+    task = asyncio.create_task(engine.generate(messages, max_tokens=4, specprefill=True))
+    await asyncio.sleep(1.0)
+    cancelled_at = time.perf_counter()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert time.perf_counter() - cancelled_at < 2.0
+    small = chat(engine, 7)
+    first = await engine.generate(small, max_tokens=8, specprefill=False)
+    with Engine(step_size=256) as fresh:
+        assert fresh.generate_sync(small, max_tokens=8, specprefill=False).token_ids == first.token_ids
+
+
+async def test_timeout_during_long_prefill(engine):
+    messages = chat(engine, 8, n_tokens=6000)
+    started = time.perf_counter()
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(engine.generate(messages, max_tokens=4, specprefill=False), 1.0)
+    assert time.perf_counter() - started < 3.0
+    result = await engine.generate(chat(engine, 9), max_tokens=4)
+    assert result.finish_reason in ("stop", "length")
+
+
+async def test_growing_chat_reuses_the_prefix():
+    async with Engine(step_size=256) as cached, Engine(step_size=256, prefix_cache_bytes=0) as plain:
+        turn1 = chat(cached, 11, n_tokens=600)
+        first = await cached.generate(turn1, max_tokens=8, specprefill=False)
+        turn2 = turn1 + [{"role": "assistant", "content": first.text},
+                         {"role": "user", "content": "What is the secret passkey?"}]
+        second = await cached.generate(turn2, max_tokens=8, specprefill=False)
+        baseline = await plain.generate(turn2, max_tokens=8, specprefill=False)
+        assert second.usage.cached_tokens > 500
+        assert baseline.usage.cached_tokens == 0
+        assert second.token_ids == baseline.token_ids
+
+
+async def test_sparse_suffix_after_a_cached_prefix_is_reported():
+    async with Engine(step_size=256, threshold=256) as engine:
+        turn1 = chat(engine, 12, n_tokens=200)
+        first = await engine.generate(turn1, max_tokens=8)
+        assert not first.specprefill.engaged  # 200 tokens < threshold: dense, so cached
+        turn2 = turn1 + [{"role": "assistant", "content": first.text},
+                         {"role": "user", "content": make_case(engine.tokenizer, 13, "passkey", 1200).messages[0]["content"]}]
+        second = await engine.generate(turn2, max_tokens=8)
+        assert second.usage.cached_tokens > 150
+        assert second.specprefill.engaged
+        assert second.specprefill.total_tokens == second.usage.prompt_tokens - second.usage.cached_tokens
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, error",
+    [
+        ("", {}, ValueError),
+        ([], {}, ValueError),
+        (42, {}, TypeError),
+        ([{"content": "no role"}], {}, ValueError),
+        ([1] * 17000, {}, ValueError),
+        ("hi", {"keep": 0.0}, ValueError),
+        ("hi", {"keep": 1.5}, ValueError),
+        ("hi", {"max_tokens": 0}, ValueError),
+        ("hi", {"temperature": -1}, ValueError),
+        ("hi", {"stop": [""]}, ValueError),
+    ],
+)
+async def test_bad_input_raises_and_engine_keeps_serving(engine, prompt, kwargs, error):
+    with pytest.raises(error):
+        await engine.generate(prompt, **kwargs)
+    result = await engine.generate("def f():", max_tokens=3)
+    assert result.usage.completion_tokens >= 1
+
+
+def test_unknown_model_path_is_a_clear_error():
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        Engine(model="/no/such/model")
+
+
+async def test_stop_strings_are_not_emitted(engine):
+    messages = chat(engine, 14)
+    full = await engine.generate(messages, max_tokens=12, specprefill=False)
+    assert len(full.text) >= 3
+    stop = full.text[1:3]
+    cut = await engine.generate(messages, max_tokens=12, specprefill=False, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
+    streamed = [c async for c in engine.stream(messages, max_tokens=12, specprefill=False, stop=[stop])]
+    assert "".join(c.text for c in streamed) == cut.text
+
+
+def test_sync_facade_and_several_event_loops(engine):
+    messages = chat(engine, 15)
+    expected = engine.generate_sync(messages, max_tokens=8, specprefill=False).token_ids
+    results = []
+
+    def in_own_loop():
+        results.append(asyncio.run(engine.generate(messages, max_tokens=8, specprefill=False)).token_ids)
+
+    threads = [threading.Thread(target=in_own_loop) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [expected] * 3
+    assert "".join(c.text for c in engine.stream_sync(messages, max_tokens=8, specprefill=False)) == \
+        engine.generate_sync(messages, max_tokens=8, specprefill=False).text
+
+
+def test_no_mlx_call_happens_off_the_worker_thread():
+    """Every Python frame of mlx / mlx-lm model code runs on the worker thread.
+
+    (mlx-lm's tokenizer wrapper is not MLX work and may run on the caller's thread.)
+    """
+    calls = {}
+
+    def profile(frame, event, arg):
+        path = frame.f_code.co_filename
+        if event == "call" and ("/mlx/" in path or "/mlx_lm/" in path) \
+                and not path.endswith("tokenizer_utils.py"):
+            name = threading.current_thread().name
+            calls.setdefault(name, set()).add(frame.f_code.co_name)
+
+    async def run(engine):
+        await engine.generate("def main():", max_tokens=4)
+        async for _ in engine.stream("import os", max_tokens=4):
+            pass
+
+    engine = Engine(step_size=256)
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        asyncio.run(run(engine))
+        engine.shutdown_sync()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    assert "specprefill-worker" in calls
+    assert set(calls) == {"specprefill-worker"}, calls
