@@ -26,7 +26,7 @@ class Scorer(Protocol):
     the engine can interleave it with other requests; `score` runs it to the end.
     """
 
-    def score_steps(self, tokens: mx.array) -> Generator[int, None, mx.array]: ...
+    def score_steps(self, tokens: mx.array) -> Generator[tuple, None, mx.array]: ...
 
     def score(self, tokens: mx.array, cancel_check: CancelCheck = None) -> mx.array: ...
 
@@ -108,10 +108,10 @@ def score_steps(
     pool_kernel: int = 13,
     step_size: int = 2048,
     temperature: float = 0.0,
-) -> Generator[int, None, mx.array]:
+) -> Generator[tuple, None, mx.array]:
     """`score_tokens` one unit of work per iteration (a chunk, a step, a layer).
 
-    Yields the number of units done; returns the importance array.
+    Yields (units done, total units); returns the importance array.
     """
     tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
     tokens = tokens.reshape(-1)
@@ -123,11 +123,12 @@ def score_steps(
     cache = make_prompt_cache(draft_model)
     sites = _scored_sites(draft_model, prompt_length, cache)
     done = 0
+    total = -(-(prompt_length - 1) // step_size) + n_lookahead + len(sites)
     for start in range(0, prompt_length - 1, step_size):
         draft_model(tokens[start : min(start + step_size, prompt_length - 1)][None], cache=cache)
         mx.eval([c.state for c in cache])
         done += 1
-        yield done
+        yield done, total
 
     queries = [[] for _ in sites]
     token = tokens[-1:]
@@ -141,7 +142,7 @@ def score_steps(
             layer_queries.append(query)
         mx.eval(token, step_queries)
         done += 1
-        yield done
+        yield done, total
 
     importance = None
     for site, layer_queries in zip(sites, queries):
@@ -152,7 +153,7 @@ def score_steps(
         importance = layer if importance is None else mx.maximum(importance, layer)
         mx.eval(importance)
         done += 1
-        yield done
+        yield done, total
     del cache, queries
     mx.clear_cache()
     return importance.mean(axis=0)
@@ -205,7 +206,7 @@ class DraftScorer:
         self.step_size = step_size
         self.temperature = temperature
 
-    def score_steps(self, tokens: mx.array) -> Generator[int, None, mx.array]:
+    def score_steps(self, tokens: mx.array) -> Generator[tuple, None, mx.array]:
         return score_steps(
             self.model, tokens, self.n_lookahead, self.pool_kernel, self.step_size,
             self.temperature,

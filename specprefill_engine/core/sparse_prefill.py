@@ -44,8 +44,8 @@ def sparse_prefill_steps(
     cache,
     step_size: int = 2048,
     position_offset: int = 0,
-) -> Generator[int, None, tuple[mx.array, int]]:
-    """Prefill one chunk per iteration (yields kept tokens done so far).
+) -> Generator[tuple, None, tuple[mx.array, int]]:
+    """Prefill one chunk per iteration, yielding (kept tokens done, kept tokens).
 
     Returns (logits of the last prompt token, decode shift). The model is unwrapped
     between chunks, so other requests may run on it in between.
@@ -57,7 +57,7 @@ def sparse_prefill_steps(
         with positioned_rope(model, runs=runs):
             logits = model(tokens[mx.array(chunk)][None], cache=cache)[:, -1, :]
         mx.eval(logits, [c.state for c in cache])
-        yield start + chunk.size
+        yield start + chunk.size, kept.size
     shift = decode_shift(model, cache, tokens.size, position_offset)
     return logits, shift
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..loading import DEMO_DRAFT, DEMO_TARGET, resolve_model_path
 from .request import Request
-from .results import Chunk, Result
+from .results import Chunk, Progress, Result
 from .runtime import EngineConfig, Runtime, load_runtime
 from .sampling import SamplingParams
 from .worker import Worker
@@ -152,7 +152,8 @@ class Engine:
         return request is not None
 
     def _submit(self, prompt: Prompt, emit: Callable, stream: bool, *, specprefill=None,
-                keep=None, tools=None, request_id=None, **sampling) -> Request:
+                keep=None, tools=None, request_id=None, on_progress=None,
+                **sampling) -> Request:
         runtime = self.runtime
         params = SamplingParams(**sampling)
         if specprefill not in (None, True, False):
@@ -166,8 +167,10 @@ class Engine:
                 f"{runtime.context_length}"
             )
         request_id = request_id or f"req-{next(_ids)}"
+        if on_progress is not None and not callable(on_progress):
+            raise TypeError("on_progress must be callable")
         request = Request(request_id, tokens, params, emit, specprefill, keep, stream,
-                          submitted=time.perf_counter())
+                          progress=on_progress is not None, submitted=time.perf_counter())
         self._requests[request_id] = request
         self._worker.submit(request)
         return request
@@ -184,6 +187,7 @@ class Engine:
                 request.cancelled.set()
 
         request = self._submit(prompt, emit, stream, **kwargs)
+        on_progress = kwargs.get("on_progress")
         finished = False
         try:
             while True:
@@ -191,6 +195,9 @@ class Engine:
                 if isinstance(event, BaseException):
                     finished = True
                     raise event
+                if isinstance(event, Progress):
+                    on_progress(event)
+                    continue
                 finished = isinstance(event, Result)
                 yield event
                 if finished:
@@ -201,7 +208,13 @@ class Engine:
             self._requests.pop(request.id, None)
 
     async def generate(self, prompt: Prompt, **kwargs) -> Result:
-        """Run a request to the end. Cancelling the awaiting task aborts it."""
+        """Run a request to the end. Cancelling the awaiting task aborts it.
+
+        Keyword arguments: the SamplingParams fields (max_tokens, temperature, top_p,
+        top_k, min_p, repetition_penalty, seed, stop, stop_token_ids), `specprefill`
+        (None: engine policy), `keep`, `tools` (passed to the chat template),
+        `request_id`, and `on_progress(Progress)` for the scoring and prefill phases.
+        """
         events = self._events(prompt, False, kwargs)
         try:
             async for event in events:
@@ -229,6 +242,7 @@ class Engine:
         self.start_sync()
         events: "queue.Queue" = queue.Queue()
         request = self._submit(prompt, events.put, stream, **kwargs)
+        on_progress = kwargs.get("on_progress")
         finished = False
         try:
             while True:
@@ -236,6 +250,9 @@ class Engine:
                 if isinstance(event, BaseException):
                     finished = True
                     raise event
+                if isinstance(event, Progress):
+                    on_progress(event)
+                    continue
                 finished = isinstance(event, Result)
                 yield event
                 if finished:

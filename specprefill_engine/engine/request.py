@@ -21,7 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import positioned_rope, select_chunks, sparse_prefill_steps
 from .prefix_cache import PrefixCache
-from .results import Chunk, Result, SpecPrefillReport, Timings, Usage
+from .results import Chunk, Progress, Result, SpecPrefillReport, Timings, Usage
 from .runtime import Runtime
 from .sampling import SamplingParams, StopMatcher, make_processors, make_sampler
 
@@ -39,19 +39,33 @@ class Request:
     specprefill: Optional[bool] = None
     keep: Optional[float] = None
     stream: bool = False
+    progress: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 def dense_prefill_steps(model, tokens: mx.array, cache, step_size: int) -> Generator:
-    """Prefill in chunks; returns the last token's logits."""
+    """Prefill in chunks, yielding (tokens done, tokens); returns the last token's logits."""
     for start in range(0, tokens.size - 1, step_size):
-        model(tokens[start : min(start + step_size, tokens.size - 1)][None], cache=cache)
+        end = min(start + step_size, tokens.size - 1)
+        model(tokens[start:end][None], cache=cache)
         mx.eval([c.state for c in cache])
-        yield
+        yield end, tokens.size
     logits = model(tokens[-1:][None], cache=cache)[:, -1, :]
     mx.eval(logits)
     return logits
+
+
+def _reporting(steps: Generator, request: Request, phase: str) -> Generator:
+    """Pass a step generator through, emitting Progress when the caller asked for it."""
+    while True:
+        try:
+            done, total = next(steps)
+        except StopIteration as finished:
+            return finished.value
+        if request.progress:
+            request.emit(Progress(phase, done, total))
+        yield
 
 
 def _decision(request: Request, runtime: Runtime, suffix_length: int) -> tuple[bool, str]:
@@ -69,7 +83,7 @@ def _specprefill(request, runtime, cache, cached, report, timings) -> Generator:
     config = runtime.config
     tokens = mx.array(request.tokens)
     scoring_started = time.perf_counter()
-    importance = yield from runtime.scorer.score_steps(tokens)
+    importance = yield from _reporting(runtime.scorer.score_steps(tokens), request, "scoring")
     timings.scoring = time.perf_counter() - scoring_started
     selected = select_chunks(
         importance[cached:], report.keep, config.chunk_size, config.backbone_pct,
@@ -77,8 +91,12 @@ def _specprefill(request, runtime, cache, cached, report, timings) -> Generator:
     )
     report.kept_tokens = int(selected.size)
     return (
-        yield from sparse_prefill_steps(
-            runtime.model, tokens[cached:], selected, cache, config.step_size, cached
+        yield from _reporting(
+            sparse_prefill_steps(
+                runtime.model, tokens[cached:], selected, cache, config.step_size, cached
+            ),
+            request,
+            "prefill",
         )
     )
 
@@ -141,7 +159,9 @@ def _prefill(request, runtime, cache, cached, prefix_cache, report, timings) -> 
             report.kept_tokens = report.total_tokens
             cache[:], cached = _fresh_cache(model, request.tokens, prefix_cache)
     suffix = mx.array(request.tokens[cached:])
-    logits = yield from dense_prefill_steps(model, suffix, cache, runtime.config.step_size)
+    logits = yield from _reporting(
+        dense_prefill_steps(model, suffix, cache, runtime.config.step_size), request, "prefill"
+    )
     if prefix_cache is not None:
         prefix_cache.store(request.tokens, cache)
     return logits, 0

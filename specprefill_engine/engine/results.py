@@ -32,6 +32,15 @@ class SpecPrefillReport:
 
 
 @dataclass
+class Progress:
+    """A long phase's progress: phase is "scoring" or "prefill"."""
+
+    phase: str
+    done: int
+    total: int
+
+
+@dataclass
 class Chunk:
     """One piece of a stream. Usage, timings and the report come on the last only."""
 

@@ -45,6 +45,7 @@ class Worker:
             runtime = self._load()
         except BaseException as error:  # surfaces in the caller awaiting `ready`
             self.ready.set_exception(error)
+            mx.clear_streams()
             return
         prefix_cache = None
         if runtime.config.prefix_cache_bytes and reusable(make_prompt_cache(runtime.model)):
@@ -64,7 +65,9 @@ class Worker:
             if prefix_cache is not None:
                 prefix_cache.clear()
             del runtime
+            mx.synchronize()
             mx.clear_cache()
+            mx.clear_streams()  # a thread exiting with live MLX streams can abort the process
 
     def _admit(self, active: list, runtime: Runtime, prefix_cache: Optional[PrefixCache]) -> bool:
         """Take queued requests (waiting only when idle); False once told to stop."""

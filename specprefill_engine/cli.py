@@ -1,0 +1,227 @@
+"""`specprefill-engine`: ask questions about long files, chat, demo, bench, eval."""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+EXAMPLES = """examples:
+  specprefill-engine demo                      # the main job on a generated document
+  specprefill-engine ask notes.py --question "What is the secret passkey?"
+  specprefill-engine ask a.py b.py -q "What is REGISTRY[\\"412-cobalt\\"]?" --compare
+  specprefill-engine chat
+"""
+
+
+class UsageError(Exception):
+    """A mistake the user can fix; printed as one line, exit status 2."""
+
+
+def read_document(path: str) -> str:
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"no such file: {path}")
+    data = file.read_bytes()
+    if b"\0" in data:
+        raise UsageError(f"{path} looks like a binary file; give text files")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not UTF-8 text") from None
+
+
+def build_messages(documents: dict, question: str) -> list:
+    """All files, each under its name, then the question, in one user turn."""
+    if not question or not question.strip():
+        raise UsageError("the question is empty")
+    body = "\n".join(f"# file: {name}\n{text}" for name, text in documents.items())
+    return [{"role": "user", "content": f"{body}\n{question.strip()}"}]
+
+
+class ProgressLine:
+    """A one-line progress bar on a terminal's stderr; silent when piped."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __call__(self, progress) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        filled = int(width * progress.done / max(progress.total, 1))
+        bar = "#" * filled + "-" * (width - filled)
+        sys.stderr.write(f"\r{progress.phase:>8} [{bar}] {progress.done}/{progress.total}")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r" + " " * 70 + "\r")
+            sys.stderr.flush()
+
+
+def make_engine(args):
+    from .engine import Engine
+
+    return Engine(model=args.model, draft=args.draft, keep=args.keep, threshold=args.threshold)
+
+
+def summary(result, dense_ttft=None) -> str:
+    report, timings, usage = result.specprefill, result.timings, result.usage
+    kept = f"kept {report.kept_tokens}/{report.total_tokens}" if report.engaged else f"dense ({report.reason})"
+    line = (
+        f"prompt {usage.prompt_tokens} tokens, {kept}, TTFT {timings.time_to_first_token:.2f}s, "
+        f"decode {timings.decode_tokens_per_s:.1f} tok/s"
+    )
+    if dense_ttft is not None:
+        line += f", dense TTFT {dense_ttft:.2f}s ({dense_ttft / timings.time_to_first_token:.1f}x)"
+    return line
+
+
+def answer(engine, messages, args) -> tuple:
+    """Stream one answer to stdout; return (text, final chunk)."""
+    progress = ProgressLine(sys.stderr.isatty() and not args.json)
+    parts, final = [], None
+    for chunk in engine.stream_sync(
+        messages, max_tokens=args.max_tokens,
+        specprefill=False if args.no_specprefill else None, on_progress=progress,
+    ):
+        if not parts:
+            progress.clear()
+        parts.append(chunk.text)
+        if not args.json:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        final = chunk
+    return "".join(parts), final
+
+
+def ask(engine, messages, args, expected=None) -> int:
+    """Answer, then print a one-line summary (or JSON)."""
+    try:
+        text, final = answer(engine, messages, args)
+        dense_ttft = None
+        if args.compare:
+            dense = engine.generate_sync(messages, max_tokens=1, specprefill=False)
+            dense_ttft = dense.timings.time_to_first_token
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if args.json:
+        payload = {
+            "answer": text,
+            "finish_reason": final.finish_reason,
+            "usage": asdict(final.usage),
+            "timings": asdict(final.timings),
+            "specprefill": asdict(final.specprefill),
+            "dense_time_to_first_token": dense_ttft,
+        }
+        if expected is not None:
+            payload["expected"] = expected
+        print(json.dumps(payload, indent=2))
+    else:
+        print()
+        print(summary(final, dense_ttft), file=sys.stderr)
+        if expected is not None:
+            verdict = "correct" if text.strip() == expected else "WRONG"
+            print(f"expected {expected}: {verdict}", file=sys.stderr)
+    return 0
+
+
+def cmd_ask(args) -> int:
+    documents = {path: read_document(path) for path in args.files}
+    messages = build_messages(documents, args.question)
+    with make_engine(args) as engine:
+        return ask(engine, messages, args)
+
+
+def cmd_demo(args) -> int:
+    """Generate a long document with facts hidden in it, then ask for one of them."""
+    from .demo_tasks import make_case
+
+    with make_engine(args) as engine:
+        case = make_case(engine.tokenizer, args.seed, "registry", args.tokens)
+        path = Path(args.output or Path(tempfile.gettempdir()) / "specprefill-demo.py")
+        path.write_text(case.context)
+        if not args.json:
+            print(f"document: {path} (about {args.tokens} tokens of Python source with "
+                  f"facts hidden in it)\nquestion: {case.question}", file=sys.stderr)
+        return ask(engine, build_messages({path.name: case.context}, case.question), args,
+                   expected=case.answer)
+
+
+def cmd_chat(args) -> int:
+    messages = []
+    with make_engine(args) as engine:
+        print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            text, final = answer(engine, messages, args)
+            print()
+            print(f"{summary(final)}, cached {final.usage.cached_tokens}", file=sys.stderr)
+            messages.append({"role": "assistant", "content": text})
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", help="target model: local path or Hugging Face id (default: bundled demo)")
+    common.add_argument("--draft", help="draft model sharing the target's tokenizer (default: bundled demo)")
+    common.add_argument("--keep", type=float, default=0.3, help="share of prompt tokens to prefill (default 0.3)")
+    common.add_argument("--threshold", type=int, default=1024, help="use SpecPrefill from this many prompt tokens")
+    common.add_argument("--no-specprefill", action="store_true", help="prefill the whole prompt")
+    common.add_argument("--max-tokens", type=int, default=64)
+    common.add_argument("--json", action="store_true", help="print the result as JSON")
+    common.add_argument("--compare", action="store_true", help="also time a dense prefill")
+
+    top = argparse.ArgumentParser(
+        prog="specprefill-engine",
+        description="Answer questions about long prompts sooner: a small draft model picks the "
+        "tokens that matter and the target prefills only those.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = top.add_subparsers(dest="command", required=True)
+    ask = commands.add_parser("ask", parents=[common], help="answer a question about files")
+    ask.add_argument("files", nargs="+", help="text files to read")
+    ask.add_argument("-q", "--question", required=True)
+    ask.set_defaults(run=cmd_ask)
+    demo = commands.add_parser("demo", parents=[common], help="the main job on a generated document")
+    demo.add_argument("--tokens", type=int, default=6000, help="document length (default 6000)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--output", help="where to write the document")
+    demo.set_defaults(run=cmd_demo)
+    chat = commands.add_parser("chat", parents=[common], help="interactive chat (reuses the prefix cache)")
+    chat.set_defaults(run=cmd_chat)
+    return top
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the engine checks lengths itself
+    args = parser().parse_args(argv)
+    if not 0 < args.keep <= 1:
+        print("error: --keep must be in (0, 1]", file=sys.stderr)
+        return 2
+    if args.max_tokens < 1:
+        print("error: --max-tokens must be at least 1", file=sys.stderr)
+        return 2
+    from .loading import ModelLoadError
+
+    try:
+        return args.run(args)
+    except (UsageError, ModelLoadError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

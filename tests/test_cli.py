@@ -1,0 +1,58 @@
+"""The command line, run as a user runs it (a subprocess)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specprefill_engine.demo_tasks import make_case
+
+
+def cli(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "specprefill_engine.cli", *args],
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def test_demo_prints_the_right_answer():
+    run = cli("demo", "--tokens", "3000", "--json")
+    assert run.returncode == 0, run.stderr
+    payload = json.loads(run.stdout)
+    assert payload["answer"].strip() == payload["expected"]
+    assert payload["specprefill"]["engaged"]
+    assert "Traceback" not in run.stderr
+
+
+def test_ask_streams_the_answer_and_a_summary(tmp_path, demo_pair):
+    _, _, tokenizer = demo_pair
+    case = make_case(tokenizer, 3, "assignment", 1500)
+    document = tmp_path / "module.py"
+    document.write_text(case.context)
+    run = cli("ask", str(document), "--question", case.question, "--max-tokens", "12")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == case.answer
+    assert "prompt" in run.stderr and "TTFT" in run.stderr and "\r" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    "make_args, message",
+    [
+        (lambda p: ["ask", str(p / "missing.txt"), "-q", "why?"], "no such file"),
+        (lambda p: ["ask", str(p / "blob.bin"), "-q", "why?"], "binary"),
+        (lambda p: ["ask", str(p / "doc.txt"), "-q", "  "], "question is empty"),
+        (lambda p: ["ask", str(p / "doc.txt"), "-q", "why?", "--model", str(p / "nope")], "does not exist"),
+        (lambda p: ["ask", str(p / "huge.txt"), "-q", "why?"], "longer than the model's context"),
+        (lambda p: ["ask", str(p / "doc.txt"), "-q", "why?", "--keep", "2"], "--keep"),
+    ],
+)
+def test_user_errors_print_one_line_and_exit_nonzero(tmp_path, make_args, message):
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02binary")
+    (tmp_path / "doc.txt").write_text("x = 1\n")
+    (tmp_path / "huge.txt").write_text("1 2 3 4 5 6 7 8 9 0\n" * 2000)
+    run = cli(*make_args(tmp_path))
+    assert run.returncode == 2
+    assert message in run.stderr
+    assert "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
