@@ -2,7 +2,6 @@
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from dataclasses import asdict
@@ -204,7 +203,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the engine checks lengths itself
     args = parser().parse_args(argv)
     if not 0 < args.keep <= 1:
         print("error: --keep must be in (0, 1]", file=sys.stderr)

@@ -47,6 +47,12 @@ def load_model(name: Optional[str] = None, default: Path = DEMO_TARGET, dtype="a
         model, tokenizer = load(source)
     except Exception as error:
         raise ModelLoadError(f"could not load model {source!r}: {error}") from error
+    # Prompt length is checked against the model's context by the engine; the HF
+    # tokenizer's own "sequence longer than model_max_length" warning would only
+    # repeat it, so mark that warning as already given.
+    warned = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
     dtype = default_dtype() if dtype == "auto" else dtype
     if dtype is not None:
         model.set_dtype(dtype)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up specprefill-engine in ./.venv: OpenBLAS (Linux, when apt is usable), then the
+# package with its dev and LangChain extras. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")"
+if [ "$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q libopenblas; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq libopenblas0-pthread >/dev/null
+  else
+    echo "note: install OpenBLAS (Debian/Ubuntu: libopenblas0-pthread) for ~25x faster CPU matmuls" >&2
+  fi
+fi
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[dev,langchain,bench]"
