@@ -56,6 +56,31 @@ def _prompt_tokens(prompt: Prompt, tokenizer, tools: Optional[list] = None) -> n
     return np.asarray(ids, dtype=np.int32)
 
 
+class _Subscription:
+    """A caller's view of one request's events, shared by the async and sync APIs."""
+
+    def __init__(self, engine: "Engine", request: Request, on_progress: Optional[Callable]):
+        self.engine, self.request, self.on_progress = engine, request, on_progress
+        self.finished = False
+
+    def take(self, event):
+        """The event for the caller, None for progress; raises a worker-side error."""
+        if isinstance(event, BaseException):
+            self.finished = True
+            raise event
+        if isinstance(event, Progress):
+            self.on_progress(event)
+            return None
+        self.finished = isinstance(event, Result)
+        return event
+
+    def close(self) -> None:
+        """Abort the request unless it finished; forget it either way."""
+        if not self.finished:
+            self.request.cancelled.set()
+        self.engine._requests.pop(self.request.id, None)
+
+
 class Engine:
     """SpecPrefill serving engine; all MLX work runs on one worker thread.
 
@@ -187,25 +212,14 @@ class Engine:
                 request.cancelled.set()
 
         request = self._submit(prompt, emit, stream, **kwargs)
-        on_progress = kwargs.get("on_progress")
-        finished = False
+        subscription = _Subscription(self, request, kwargs.get("on_progress"))
         try:
-            while True:
-                event = await events.get()
-                if isinstance(event, BaseException):
-                    finished = True
-                    raise event
-                if isinstance(event, Progress):
-                    on_progress(event)
-                    continue
-                finished = isinstance(event, Result)
-                yield event
-                if finished:
-                    return
+            while not subscription.finished:
+                event = subscription.take(await events.get())
+                if event is not None:
+                    yield event
         finally:
-            if not finished:
-                request.cancelled.set()
-            self._requests.pop(request.id, None)
+            subscription.close()
 
     async def generate(self, prompt: Prompt, **kwargs) -> Result:
         """Run a request to the end. Cancelling the awaiting task aborts it.
@@ -242,25 +256,14 @@ class Engine:
         self.start_sync()
         events: "queue.Queue" = queue.Queue()
         request = self._submit(prompt, events.put, stream, **kwargs)
-        on_progress = kwargs.get("on_progress")
-        finished = False
+        subscription = _Subscription(self, request, kwargs.get("on_progress"))
         try:
-            while True:
-                event = events.get()
-                if isinstance(event, BaseException):
-                    finished = True
-                    raise event
-                if isinstance(event, Progress):
-                    on_progress(event)
-                    continue
-                finished = isinstance(event, Result)
-                yield event
-                if finished:
-                    return
+            while not subscription.finished:
+                event = subscription.take(events.get())
+                if event is not None:
+                    yield event
         finally:
-            if not finished:
-                request.cancelled.set()
-            self._requests.pop(request.id, None)
+            subscription.close()
 
     def generate_sync(self, prompt: Prompt, **kwargs) -> Result:
         for event in self._sync_events(prompt, False, kwargs):
