@@ -15,8 +15,9 @@ from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.loading import DEMO_TARGET
 
 
+class OurModel:
+    """What both standard suites need to know about ChatSpecPrefill."""
 
-class TestChatSpecPrefillUnit(ChatModelUnitTests):
     @property
     def chat_model_class(self):
         return ChatSpecPrefill
@@ -25,20 +26,14 @@ class TestChatSpecPrefillUnit(ChatModelUnitTests):
     def chat_model_params(self):
         return {"temperature": 0.0}
 
+
+class TestChatSpecPrefillUnit(OurModel, ChatModelUnitTests):
     @property
     def supports_model_override(self):
         return False  # one engine holds one model pair; switch models with a new instance
 
 
-class TestChatSpecPrefillIntegration(ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self):
-        return ChatSpecPrefill
-
-    @property
-    def chat_model_params(self):
-        return {"temperature": 0.0}
-
+class TestChatSpecPrefillIntegration(OurModel, ChatModelIntegrationTests):
     @property
     def has_tool_choice(self):
         return False

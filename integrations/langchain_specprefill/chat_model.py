@@ -7,6 +7,7 @@ defaults. Instances with the same model settings (including `bind` and
 """
 
 import threading
+from dataclasses import fields
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -18,10 +19,13 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field
 
 from specprefill_engine import Engine
+from specprefill_engine.engine import SamplingParams
 
 from .messages import to_chat_messages
 from .tool_calls import split_tool_calls
 
+# Sampling settings this model exposes as fields; stops are merged separately.
+SAMPLING_FIELDS = [f.name for f in fields(SamplingParams) if f.name not in ("stop", "stop_token_ids")]
 _engines: dict = {}
 _engines_lock = threading.Lock()
 
@@ -93,11 +97,8 @@ class ChatSpecPrefill(BaseChatModel):
     def _request(self, messages: list[BaseMessage], stop: Optional[list[str]], kwargs: dict):
         tools = kwargs.pop("tools", None)
         kwargs.pop("tool_choice", None)
-        options = dict(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-            seed=self.seed, specprefill=self.specprefill,
-        )
+        options = {name: getattr(self, name) for name in SAMPLING_FIELDS}
+        options["specprefill"] = self.specprefill
         options.update({k: v for k, v in kwargs.items() if k in options or k == "keep"})
         stops = list(self.stop or []) + list(stop or [])
         if stops:

@@ -8,6 +8,7 @@ prompt, max over layers x heads, mean over lookahead steps. Scores are reduced o
 layer at a time, so the extra memory is one layer's (heads, steps, M) block.
 """
 
+from dataclasses import dataclass
 from typing import Callable, Generator, Optional, Protocol
 
 import mlx.core as mx
@@ -189,22 +190,15 @@ def score_tokens(
     return run_steps(steps, cancel_check)
 
 
+@dataclass
 class DraftScorer:
     """A draft model that shares the target's tokenizer, as a Scorer."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        n_lookahead: int = 8,
-        pool_kernel: int = 13,
-        step_size: int = 2048,
-        temperature: float = 0.0,
-    ):
-        self.model = model
-        self.n_lookahead = n_lookahead
-        self.pool_kernel = pool_kernel
-        self.step_size = step_size
-        self.temperature = temperature
+    model: nn.Module
+    n_lookahead: int = 8
+    pool_kernel: int = 13
+    step_size: int = 2048
+    temperature: float = 0.0
 
     def score_steps(self, tokens: mx.array) -> Generator[tuple, None, mx.array]:
         return score_steps(

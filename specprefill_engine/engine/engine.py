@@ -105,8 +105,7 @@ class Engine:
         use_draft = draft is not None or model is None
         self.draft_path = resolve_model_path(draft, DEMO_DRAFT) if use_draft else None
         self._worker = Worker(
-            lambda: load_runtime(model and self.model_path, draft and self.draft_path,
-                                 self.config, use_draft, dtype)
+            lambda: load_runtime(self.model_path, self.draft_path, self.config, dtype)
         )
         self._start_lock = threading.Lock()
         self._started = False
@@ -168,6 +167,11 @@ class Engine:
         self.shutdown_sync()
 
     # requests ------------------------------------------------------------------
+
+    @property
+    def active_request_ids(self) -> list:
+        """Ids of the requests the worker is working on now (queued ones not counted)."""
+        return [request.id for request, _ in list(self._worker.active)]
 
     def abort(self, request_id: str) -> bool:
         """Ask the worker to stop a request; it ends with finish_reason 'abort'."""

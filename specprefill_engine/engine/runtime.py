@@ -6,7 +6,7 @@ from typing import Optional
 import mlx.nn as nn
 
 from ..core import DraftScorer, Scorer
-from ..loading import DEMO_DRAFT, DEMO_TARGET, check_same_tokenizer, load_model
+from ..loading import check_same_tokenizer, load_model
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,6 @@ class Runtime:
     tokenizer: object
     scorer: Optional[Scorer]
     config: EngineConfig
-    model_name: str
     context_length: Optional[int]
 
 
@@ -49,14 +48,16 @@ def context_length_of(model: nn.Module) -> Optional[int]:
     return None
 
 
-def load_runtime(model_path: Optional[str], draft_path: Optional[str], config: EngineConfig,
-                 use_draft: bool, dtype="auto") -> Runtime:
-    """Load on the calling thread, which must be the engine's worker."""
-    model, tokenizer = load_model(model_path, DEMO_TARGET, dtype)
+def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfig,
+                 dtype="auto") -> Runtime:
+    """Load on the calling thread, which must be the engine's worker.
+
+    Paths are already resolved; without a draft every request prefills densely.
+    """
+    model, tokenizer = load_model(model_path, dtype=dtype)
     scorer = None
-    if use_draft:
-        draft, draft_tokenizer = load_model(draft_path, DEMO_DRAFT, dtype)
+    if draft_path is not None:
+        draft, draft_tokenizer = load_model(draft_path, dtype=dtype)
         check_same_tokenizer(tokenizer, draft_tokenizer)
         scorer = DraftScorer(draft, config.n_lookahead, config.pool_kernel, config.step_size)
-    name = str(model_path or DEMO_TARGET.name)
-    return Runtime(model, tokenizer, scorer, config, name, context_length_of(model))
+    return Runtime(model, tokenizer, scorer, config, context_length_of(model))

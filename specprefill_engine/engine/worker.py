@@ -26,6 +26,7 @@ class Worker:
         self._load = load
         self._inbox: "queue.Queue" = queue.Queue()
         self.ready: Future = Future()
+        self.active: list = []  # (request, steps) being worked on; only this thread mutates it
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
 
     def start(self) -> Future:
@@ -51,7 +52,7 @@ class Worker:
         if runtime.config.prefix_cache_bytes and reusable(make_prompt_cache(runtime.model)):
             prefix_cache = PrefixCache(runtime.config.prefix_cache_bytes)
         self.ready.set_result(runtime)
-        active: list = []
+        active = self.active
         try:
             while self._admit(active, runtime, prefix_cache):
                 for entry in list(active):
