@@ -1,9 +1,14 @@
 """Tiny random-weight models built from mlx-lm's own ModelArgs, for tests."""
 
 import importlib
+import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.utils import save_config, save_model
+
+from specprefill_engine.loading import DEMO_TARGET
 
 BASE = dict(
     hidden_size=64,
@@ -18,6 +23,17 @@ BASE = dict(
     head_dim=16,
     rope_theta=10000.0,
 )
+
+
+def save_with_demo_tokenizer(case: tuple, path: Path) -> Path:
+    """Write a random-weight model of `case` with the demo tokenizer, loadable by path."""
+    model_type, overrides = case
+    overrides = {**overrides, "vocab_size": 4096}
+    save_model(path, tiny_model(model_type, **overrides))
+    save_config({"model_type": model_type, **BASE, **overrides}, path / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEMO_TARGET / name, path / name)
+    return path
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides) -> nn.Module:
@@ -35,3 +51,70 @@ def tiny_model(model_type: str, seed: int = 0, **overrides) -> nn.Module:
 def random_tokens(length: int, vocab: int = 128, seed: int = 0) -> mx.array:
     mx.random.seed(seed)
     return mx.random.randint(5, vocab, (length,))
+
+
+ROPE_CASES = {
+    "llama": ("llama", {}),
+    "llama-traditional": ("llama", {"rope_traditional": True}),
+    "llama-linear": ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}),
+    "llama3": ("llama", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256}}),
+    "yarn": ("llama", {"rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+        "beta_fast": 32, "beta_slow": 1}}),
+    "longrope": ("phi3", {"rope_scaling": {
+        "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.5] * 8,
+        "original_max_position_embeddings": 256}}),
+    "dynamic-ntk": ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}),
+    "partial-rotary": ("phi3", {"partial_rotary_factor": 0.5}),
+    "qwen3": ("qwen3", {}),
+    "qwen3_moe": ("qwen3_moe", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}),
+    # sliding-window layers first; windows larger than the test prompts so keys line up
+    "gemma3": ("gemma3_text", {"sliding_window": 512, "sliding_window_pattern": 2,
+                               "query_pre_attn_scalar": 16, "rope_local_base_freq": 10000.0}),
+    "gpt_oss": ("gpt_oss", {"sliding_window": 512, "num_local_experts": 4,
+                            "num_experts_per_tok": 2, "rope_scaling": None,
+                            "layer_types": ["sliding_attention", "full_attention"]}),
+    "deepseek_v3-mla": ("deepseek_v3", {
+        "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "qk_nope_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}),
+}
+
+HYBRID_CASES = {
+    # Qwen3-Next: GatedDeltaNet layers first, gated attention (double-width q_proj,
+    # q_norm, partial rotary) every second layer
+    "qwen3_next": ("qwen3_next", {
+        "num_hidden_layers": 4, "full_attention_interval": 2, "partial_rotary_factor": 0.5,
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4,
+        "num_experts_per_tok": 2, "decoder_sparse_step": 1, "shared_expert_intermediate_size": 32,
+        "moe_intermediate_size": 32, "mlp_only_layers": []}),
+    # Nemotron-H: Mamba2, attention without RoPE, and MLP blocks that hold no cache
+    "nemotron_h": ("nemotron_h", {
+        "hybrid_override_pattern": "M*-M", "num_hidden_layers": 4, "mamba_num_heads": 4,
+        "mamba_head_dim": 16, "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 1,
+        "mamba_hidden_act": "silu", "mlp_hidden_act": "relu2", "attention_bias": False,
+        "mamba_proj_bias": False, "use_conv_bias": True, "time_step_limit": (0.0, float("inf")),
+        "layer_norm_epsilon": 1e-5, "use_bias": False, "mlp_bias": False}),
+    "gemma3-small-window": ("gemma3_text", {
+        "sliding_window": 64, "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
+        "rope_local_base_freq": 10000.0}),
+}
+
+MAMBA = ("mamba", {"state_size": 16, "conv_kernel": 4, "use_bias": False, "use_conv_bias": True,
+                   "time_step_rank": 8})
+
+
+def build(case: tuple, seed: int = 0, bits: int = 0) -> nn.Module:
+    """A model from a (model_type, overrides) case, quantized when `bits` is given."""
+    model_type, overrides = case
+    model = tiny_model(model_type, seed, **overrides)
+    if bits:
+        nn.quantize(model, group_size=32, bits=bits)
+        mx.eval(model.parameters())
+    return model

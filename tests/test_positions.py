@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import random_tokens, tiny_model
+from models import ROPE_CASES, build, random_tokens, tiny_model
 from specprefill_engine.core import cleanup_rope, sparse_prefill
 from specprefill_engine.core.positions import PositionedRoPE, position_runs
 
@@ -22,7 +22,10 @@ def kept_indices(length: int, seed: int = 1) -> mx.array:
 
 
 def first_layer_keys(cache, length: int) -> mx.array:
-    return cache[0].keys[..., :length, :]
+    """Layer 0's cached keys and values side by side (MLA keeps its rotated part in
+    the values slot), for the first `length` positions."""
+    return mx.concatenate(
+        [cache[0].keys[..., :length, :], cache[0].values[..., :length, :]], axis=-1)
 
 
 def wrappers_left(model) -> int:
@@ -50,17 +53,23 @@ def check_exact(model, prefix: int):
         assert mx.array_equal(sparse_keys[..., :prefix, :], dense_keys[..., :prefix, :])
 
     model(step, cache=sparse)  # plain decode call on the shifted model
-    new_dense = dense[0].keys[..., prefix + M, :]
-    new_sparse = sparse[0].keys[..., prefix + kept.size, :]
+    new_dense = first_layer_keys(dense, prefix + M + 1)[..., -1, :]
+    new_sparse = first_layer_keys(sparse, prefix + kept.size + 1)[..., -1, :]
     assert mx.abs(new_dense - new_sparse).max().item() <= 1e-4
     cleanup_rope(model)
     assert wrappers_left(model) == 0
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
 @pytest.mark.parametrize("prefix", [0, 100])
-def test_kept_keys_and_decode_key_match_dense(model_type, prefix):
-    check_exact(tiny_model(model_type), prefix)
+def test_kept_keys_and_decode_key_match_dense(case, prefix):
+    check_exact(build(ROPE_CASES[case]), prefix)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("case", ["llama", "qwen3"])
+def test_exact_through_quantized_projections(case, bits):
+    check_exact(build(ROPE_CASES[case], bits=bits), prefix=100)
 
 
 def test_a_wrong_offset_is_caught():

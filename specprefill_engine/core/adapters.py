@@ -1,14 +1,21 @@
-"""Find where a model applies RoPE and which cache each attention layer writes.
+"""Find where a model applies RoPE and which cache each layer writes.
 
 Everything here reads the model's structure (its modules and cache types), never
-its config name: a module that owns a `rope` child is an attention layer, and the
-cache list from `make_prompt_cache` tells which cache entry belongs to it.
+its config name:
+- a layer's child that owns a `rope` module is an attention layer with RoPE;
+- a layer that owns key projections is attention (with or without RoPE), one that
+  owns a `conv1d` is a recurrent mixer (Mamba, GatedDeltaNet); both hold a cache,
+  other layers (plain MLP blocks in Nemotron-H) do not. That gives the
+  layer-to-cache mapping when the model makes fewer caches than it has layers.
 """
 
+import inspect
 from dataclasses import dataclass
 
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+KEY_PROJECTIONS = ("k_proj", "kv_proj", "qkv_proj", "kv_a_proj_with_mqa", "query_key_value")
 
 
 class UnsupportedModelError(ValueError):
@@ -25,9 +32,7 @@ class AttentionSite:
 def decoder_layers(model: nn.Module) -> list:
     layers = getattr(model, "layers", None)
     if layers is None:
-        raise UnsupportedModelError(
-            f"{type(model).__module__}: no `layers` list to inspect"
-        )
+        raise UnsupportedModelError(f"{type(model).__module__}: no `layers` list to inspect")
     return list(layers)
 
 
@@ -39,25 +44,74 @@ def _attention_module(layer: nn.Module):
     return None
 
 
+def _owns(layer: nn.Module, names) -> bool:
+    return any(isinstance(module.get(name), nn.Module)
+               for _, module in layer.named_modules() for name in names)
+
+
+def has_attention(layer: nn.Module) -> bool:
+    return _attention_module(layer) is not None or _owns(layer, KEY_PROJECTIONS)
+
+
+def _holds_cache(layer: nn.Module) -> bool:
+    return has_attention(layer) or _owns(layer, ("conv1d",))
+
+
+def _checked_rope(owner: nn.Module, model: nn.Module) -> nn.Module:
+    rope = owner["rope"]
+    call = getattr(rope, "inner", rope)  # already wrapped by us: check the original
+    if "offset" not in inspect.signature(type(call).__call__).parameters:
+        raise UnsupportedModelError(
+            f"{type(model).__module__}: unknown RoPE {type(call).__name__} (its call takes no "
+            "`offset`), so kept tokens cannot be given their positions"
+        )
+    return rope
+
+
 def rope_owners(model: nn.Module) -> list[nn.Module]:
-    """The attention modules whose `rope` child SpecPrefill wraps."""
+    """The attention modules whose `rope` child SpecPrefill wraps (may be none)."""
     owners = [_attention_module(layer) for layer in decoder_layers(model)]
-    return [owner for owner in owners if owner is not None]
+    owners = [owner for owner in owners if owner is not None]
+    for owner in owners:
+        _checked_rope(owner, model)
+    return owners
+
+
+def cache_indices(model: nn.Module, n_caches: int) -> list:
+    """For each layer, the index of its cache in `make_prompt_cache`, or None."""
+    layers = decoder_layers(model)
+    if n_caches == len(layers):
+        return list(range(len(layers)))
+    holders = [_holds_cache(layer) for layer in layers]
+    if sum(holders) != n_caches:
+        raise UnsupportedModelError(
+            f"{type(model).__module__}: {n_caches} caches for {len(layers)} layers, and the "
+            "layers that hold a cache cannot be told from the structure"
+        )
+    indices, next_index = [], 0
+    for holds in holders:
+        indices.append(next_index if holds else None)
+        next_index += holds
+    return indices
+
+
+def check_sparse_prefill_supported(model: nn.Module) -> None:
+    """Sparse prefill needs attention somewhere (pure SSMs gain nothing) and known RoPE."""
+    if not any(has_attention(layer) for layer in decoder_layers(model)):
+        raise UnsupportedModelError(f"{type(model).__module__}: no attention layers")
+    rope_owners(model)
 
 
 def attention_sites(model: nn.Module) -> list[AttentionSite]:
     """One site per attention layer that rotates with a `rope` module."""
     layers = decoder_layers(model)
-    cache = make_prompt_cache(model)
-    if len(cache) != len(layers):
-        raise UnsupportedModelError(
-            f"{type(model).__module__}: {len(cache)} caches for {len(layers)} layers"
-        )
+    indices = cache_indices(model, len(make_prompt_cache(model)))
     sites = []
     for index, layer in enumerate(layers):
         attention = _attention_module(layer)
         if attention is not None:
-            sites.append(AttentionSite(index, index, attention))
+            _checked_rope(attention, model)
+            sites.append(AttentionSite(index, indices[index], attention))
     if not sites:
         raise UnsupportedModelError(
             f"{type(model).__module__}: no attention layer with a `rope` module"
@@ -70,3 +124,8 @@ def sees_whole_prompt(layer_cache, prompt_length: int) -> bool:
     if isinstance(layer_cache, RotatingKVCache):
         return layer_cache.max_size >= prompt_length
     return isinstance(layer_cache, KVCache)
+
+
+def sliding_window(cache: list) -> int:
+    """The largest sliding window among the caches, 0 if none."""
+    return max((c.max_size for c in cache if isinstance(c, RotatingKVCache)), default=0)

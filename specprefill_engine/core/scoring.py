@@ -149,6 +149,12 @@ def score_steps(
     for site, layer_queries in zip(sites, queries):
         query = mx.concatenate(layer_queries, axis=2)
         keys = cache[site.cache_index].keys[..., :prompt_length, :]
+        if query.shape[-1] != keys.shape[-1] or query.shape[1] % keys.shape[1]:
+            raise UnsupportedModelError(
+                f"{type(draft_model).__module__}: rotated queries {tuple(query.shape)} do not "
+                f"match cached keys {tuple(keys.shape)} (latent attention such as MLA caches "
+                "a compressed key); use a draft with standard attention"
+            )
         scale = getattr(site.attention, "scale", query.shape[-1] ** -0.5)
         layer = layer_importance(query, keys, scale, pool_kernel)
         importance = layer if importance is None else mx.maximum(importance, layer)

@@ -12,7 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .adapters import attention_sites
+from .adapters import (
+    attention_sites, check_sparse_prefill_supported, rope_owners, sliding_window,
+)
 from .positions import install_rope, position_runs, positioned_rope
 from .scoring import CancelCheck, run_steps
 
@@ -32,9 +34,24 @@ def _validated(tokens, selected) -> tuple[mx.array, np.ndarray]:
 
 
 def decode_shift(model: nn.Module, cache, prompt_length: int, position_offset: int) -> int:
-    """How far decode positions must move so the next token lands at M + offset."""
+    """How far decode positions must move so the next token lands at M + offset.
+
+    Zero for models without RoPE: their attention has no positions to correct.
+    """
+    if not rope_owners(model):
+        return 0
     site = attention_sites(model)[0]
     return position_offset + prompt_length - cache[site.cache_index].offset
+
+
+def cover_sliding_window(selected, cache, prompt_length: int, position_offset: int = 0):
+    """Add the prompt's last window of tokens when sliding-window layers cannot see
+    the whole sequence, so decode attends to the same recent tokens as dense would."""
+    kept = np.asarray(selected, dtype=np.int64).reshape(-1)
+    window = sliding_window(cache)
+    if 0 < window < position_offset + prompt_length:
+        kept = np.union1d(kept, np.arange(max(prompt_length - window, 0), prompt_length))
+    return kept
 
 
 def sparse_prefill_steps(
@@ -50,7 +67,9 @@ def sparse_prefill_steps(
     Returns (logits of the last prompt token, decode shift). The model is unwrapped
     between chunks, so other requests may run on it in between.
     """
+    check_sparse_prefill_supported(model)
     tokens, kept = _validated(tokens, selected)
+    kept = cover_sliding_window(kept, cache, tokens.size, position_offset)
     for start in range(0, kept.size, step_size):
         chunk = kept[start : start + step_size]
         runs = position_runs(chunk + position_offset)

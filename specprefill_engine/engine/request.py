@@ -20,6 +20,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import positioned_rope, select_chunks, sparse_prefill_steps
+from ..core.adapters import check_sparse_prefill_supported
+from ..core.sparse_prefill import cover_sliding_window
 from .prefix_cache import PrefixCache
 from .results import Chunk, Progress, Result, SpecPrefillReport, Timings, Usage
 from .runtime import Runtime
@@ -81,6 +83,7 @@ def _decision(request: Request, runtime: Runtime, suffix_length: int) -> tuple[b
 def _specprefill(request, runtime, cache, cached, report, timings) -> Generator:
     """Score the whole prompt, select in the uncached suffix, sparse-prefill it."""
     config = runtime.config
+    check_sparse_prefill_supported(runtime.model)  # before spending the draft's time
     tokens = mx.array(request.tokens)
     scoring_started = time.perf_counter()
     importance = yield from _reporting(runtime.scorer.score_steps(tokens), request, "scoring")
@@ -89,6 +92,7 @@ def _specprefill(request, runtime, cache, cached, report, timings) -> Generator:
         importance[cached:], report.keep, config.chunk_size, config.backbone_pct,
         config.tail_tokens,
     )
+    selected = cover_sliding_window(selected, cache, tokens.size - cached, cached)
     report.kept_tokens = int(selected.size)
     return (
         yield from _reporting(
