@@ -24,9 +24,13 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class AttentionSite:
+    """An attention layer, its cache, and the child whose output is its query:
+    `rope` (post-RoPE queries) or, for attention without RoPE, `q_proj`."""
+
     layer_index: int
     cache_index: int
     attention: nn.Module
+    query_source: str = "rope"
 
 
 def decoder_layers(model: nn.Module) -> list:
@@ -40,6 +44,15 @@ def _attention_module(layer: nn.Module):
     """The child of `layer` that owns a `rope`, or None."""
     for child in layer.children().values():
         if isinstance(child, nn.Module) and isinstance(child.get("rope"), nn.Module):
+            return child
+    return None
+
+
+def _unrotated_attention(layer: nn.Module):
+    """The child of `layer` with query and key projections but no `rope`, or None."""
+    for child in layer.children().values():
+        if isinstance(child, nn.Module) and isinstance(child.get("q_proj"), nn.Module) \
+                and isinstance(child.get("k_proj"), nn.Module) and "rope" not in child:
             return child
     return None
 
@@ -103,7 +116,7 @@ def check_sparse_prefill_supported(model: nn.Module) -> None:
 
 
 def attention_sites(model: nn.Module) -> list[AttentionSite]:
-    """One site per attention layer that rotates with a `rope` module."""
+    """One site per attention layer whose queries can be read (RoPE or plain q_proj)."""
     layers = decoder_layers(model)
     indices = cache_indices(model, len(make_prompt_cache(model)))
     sites = []
@@ -111,11 +124,11 @@ def attention_sites(model: nn.Module) -> list[AttentionSite]:
         attention = _attention_module(layer)
         if attention is not None:
             _checked_rope(attention, model)
-            sites.append(AttentionSite(index, indices[index], attention))
+            sites.append(AttentionSite(index, indices[index], attention, "rope"))
+        elif (attention := _unrotated_attention(layer)) is not None:
+            sites.append(AttentionSite(index, indices[index], attention, "q_proj"))
     if not sites:
-        raise UnsupportedModelError(
-            f"{type(model).__module__}: no attention layer with a `rope` module"
-        )
+        raise UnsupportedModelError(f"{type(model).__module__}: no attention layers to score with")
     return sites
 
 

@@ -33,18 +33,27 @@ class Scorer(Protocol):
 
 
 class QueryCapture(nn.Module):
-    """Wraps a rope and keeps the first output of each forward (the query)."""
+    """Wraps a layer's `rope` (or `q_proj`) and keeps its first output of a forward:
+    the query (the second rope call of a forward rotates the keys)."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
         self.query = None
 
-    def __call__(self, x: mx.array, offset=0) -> mx.array:
-        out = self.inner(x, offset=offset)
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        out = self.inner(x, *args, **kwargs)
         if self.query is None:
             self.query = out
         return out
+
+
+def _as_heads(query: mx.array, site: AttentionSite, head_dim: int) -> mx.array:
+    """Captured queries as (1, heads, steps, head_dim); q_proj output is (1, steps, H*D)."""
+    if site.query_source == "rope":
+        return query
+    batch, steps, width = query.shape
+    return query.reshape(batch, steps, width // head_dim, head_dim).transpose(0, 2, 1, 3)
 
 
 def average_pool(x: mx.array, kernel: int) -> mx.array:
@@ -91,14 +100,14 @@ def _forward_capturing_queries(model, token: mx.array, cache, sites) -> tuple:
     The capture wrappers live only for this call, so other users of the same
     draft between steps see the plain model.
     """
-    captures = [QueryCapture(site.attention["rope"]) for site in sites]
+    captures = [QueryCapture(site.attention[site.query_source]) for site in sites]
     for site, capture in zip(sites, captures):
-        site.attention.rope = capture
+        setattr(site.attention, site.query_source, capture)
     try:
         logits = model(token[None], cache=cache)[0, -1]
     finally:
         for site, capture in zip(sites, captures):
-            site.attention.rope = capture.inner
+            setattr(site.attention, site.query_source, capture.inner)
     return logits, [capture.query for capture in captures]
 
 
@@ -147,8 +156,9 @@ def score_steps(
 
     importance = None
     for site, layer_queries in zip(sites, queries):
-        query = mx.concatenate(layer_queries, axis=2)
         keys = cache[site.cache_index].keys[..., :prompt_length, :]
+        step_axis = 2 if site.query_source == "rope" else 1
+        query = _as_heads(mx.concatenate(layer_queries, axis=step_axis), site, keys.shape[-1])
         if query.shape[-1] != keys.shape[-1] or query.shape[1] % keys.shape[1]:
             raise UnsupportedModelError(
                 f"{type(draft_model).__module__}: rotated queries {tuple(query.shape)} do not "

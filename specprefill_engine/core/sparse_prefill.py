@@ -40,7 +40,7 @@ def decode_shift(model: nn.Module, cache, prompt_length: int, position_offset: i
     """
     if not rope_owners(model):
         return 0
-    site = attention_sites(model)[0]
+    site = next(site for site in attention_sites(model) if site.query_source == "rope")
     return position_offset + prompt_length - cache[site.cache_index].offset
 
 
