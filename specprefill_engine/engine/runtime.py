@@ -16,7 +16,7 @@ class EngineConfig:
     keep: float = 0.3
     threshold: int = 1024
     chunk_size: int = 32
-    tail_tokens: int = 64
+    tail_tokens: int = 32
     backbone_pct: float = 0.0
     n_lookahead: int = 8
     pool_kernel: int = 13

@@ -1,0 +1,71 @@
+"""Answer quality: exact-answer accuracy on RULER-style retrieval tasks in the demo
+pair's formats (passkey, multi-key assignment with distractors, registry lookup,
+two-hop), for dense prefill, our SpecPrefill, a random selection of the same size,
+and vllm-mlx 0.6.0's SpecPrefill. Accuracy retained = sparse / dense.
+
+    .venv/bin/python benchmarks/quality.py --lengths 1024 2048 4096 --cases 100 \\
+        --keeps 0.1 0.2 0.3 --json docs/quality.json
+
+Prints a Markdown table; `benchmarks/plots.py` draws accuracy against keep.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
+import mlx.core as mx
+
+from specprefill_engine.benchmarking import (
+    KINDS, answer_text, quality_cases, quality_rows, quality_table,
+)
+from specprefill_engine.loading import DEMO_DRAFT, DEMO_TARGET, default_dtype, load_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peers import run_vllm_mlx  # noqa: E402
+
+
+def add_vllm_mlx(rows: list, cases: list, keeps, site=None) -> str:
+    """Score vllm-mlx on the same cases; returns '' or the error it failed with."""
+    job = {"target": str(DEMO_TARGET), "draft": str(DEMO_DRAFT), "keeps": list(keeps),
+           "float32": default_dtype() == mx.float32,
+           "cases": [{"ids": c["ids"], "n_tokens": len(c["answer"]) + 1} for c in cases]}
+    out = run_vllm_mlx(job, site)
+    if "error" in out:
+        return out["error"]
+    _, tokenizer = load_model()
+    for row, case, result in zip(rows, cases, out["results"]):
+        for keep in keeps:
+            tokens = result[str(keep)]["tokens"]
+            row[f"vllm-mlx@{keep}"] = answer_text(tokenizer, tokens) == case["answer"]
+    return ""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--cases", type=int, default=100, help="cases per (length, kind)")
+    parser.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.2, 0.3])
+    parser.add_argument("--no-peer", action="store_true", help="skip vllm-mlx")
+    parser.add_argument("--peer-site", help="folder holding vllm_mlx and mlx_lm 0.31 (no pip)")
+    parser.add_argument("--json", help="write the per-case rows here")
+    args = parser.parse_args(argv)
+
+    _, tokenizer = load_model()
+    cases = quality_cases(tokenizer, args.kinds, args.lengths, args.cases)
+    rows = quality_rows(cases, args.keeps, report=lambda m: print(m, file=sys.stderr, flush=True))
+    peer_error = "" if args.no_peer else add_vllm_mlx(rows, cases, args.keeps, args.peer_site)
+    print(f"device {mx.default_device()}, mlx {mx.__version__}; {args.cases} cases per length "
+          f"and kind ({len(args.kinds)} kinds)")
+    print(quality_table(rows))
+    if peer_error:
+        print(f"\nvllm-mlx 0.6.0 failed: {peer_error}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "peer_error": peer_error}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Measurements behind `benchmarks/` and the `bench` / `eval` commands.
+
+TTFT: the engine dense and with SpecPrefill, side by side in one process with
+mlx-lm's own `stream_generate`, on demo retrieval prompts. Quality: exact-answer
+accuracy of dense prefill, SpecPrefill at several keeps, and a random selection of
+the same size (the control that shows the task needs the right tokens).
+"""
+
+import random
+import statistics
+import time
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm import stream_generate
+from mlx_lm.models.cache import make_prompt_cache
+
+from .core import cleanup_rope, score_tokens, select_chunks, sparse_prefill
+from .demo_tasks import KINDS, make_case
+from .engine import Engine
+from .loading import DEMO_DRAFT, load_model
+
+Report = Optional[Callable[[str], None]]
+
+
+# time to first token ------------------------------------------------------------
+
+def _mlx_lm_ttft(model, tokenizer, ids) -> float:
+    started = time.perf_counter()
+    for _ in stream_generate(model, tokenizer, ids, max_tokens=1):
+        break
+    return time.perf_counter() - started
+
+
+def _engine_row(engine: Engine, messages, runs: int, **options) -> dict:
+    engine.generate_sync(messages, max_tokens=2, **options)  # warm-up
+    results = []
+    for _ in range(runs):
+        mx.reset_peak_memory()
+        result = engine.generate_sync(messages, max_tokens=32, **options)
+        results.append((result, mx.get_peak_memory()))
+    ttft = statistics.median(r.timings.time_to_first_token for r, _ in results)
+    return {
+        "ttft": ttft,
+        "scoring_share": statistics.median(r.timings.scoring for r, _ in results) / ttft,
+        "decode_tps": statistics.median(r.timings.decode_tokens_per_s for r, _ in results),
+        "peak_gb": max(p for _, p in results) / 1e9,
+        "kept": results[0][0].specprefill.kept_tokens,
+    }
+
+
+def ttft_rows(lengths, keeps, runs: int = 3, report: Report = None) -> list:
+    """One row per (prompt length, method); medians of `runs` after a warm-up."""
+    rows = []
+    with Engine(prefix_cache_bytes=0) as engine:  # every run prefills from scratch
+        for length in lengths:
+            messages = make_case(engine.tokenizer, 0, "passkey", length).messages
+            rows.append({"length": length, "method": "engine dense",
+                         **_engine_row(engine, messages, runs, specprefill=False)})
+            for keep in keeps:
+                rows.append({"length": length, "method": f"engine SpecPrefill keep {keep}",
+                             "keep": keep,
+                             **_engine_row(engine, messages, runs, specprefill=True, keep=keep)})
+            if report:
+                report(f"engine: {length} tokens done")
+    model, tokenizer = load_model()
+    draft, _ = load_model(default=DEMO_DRAFT)
+    ratios = {}
+    for length in lengths:
+        ids = tokenizer.apply_chat_template(
+            make_case(tokenizer, 0, "passkey", length).messages, add_generation_prompt=True)
+        _mlx_lm_ttft(model, tokenizer, ids)
+        baseline = statistics.median(_mlx_lm_ttft(model, tokenizer, ids) for _ in range(runs))
+        draft_time = statistics.median(_mlx_lm_ttft(draft, tokenizer, ids) for _ in range(runs))
+        ratios[length] = draft_time / baseline
+        rows.append({"length": length, "method": "mlx-lm stream_generate", "ttft": baseline})
+        if report:
+            report(f"mlx-lm: {length} tokens done")
+    add_ratios(rows, ratios)
+    return rows
+
+
+def add_ratios(rows: list, draft_ratio: dict) -> None:
+    """TTFT relative to our dense row, and the linear-cost ideal 1/(r + keep)."""
+    dense = {r["length"]: r["ttft"] for r in rows if r["method"] == "engine dense"}
+    for row in rows:
+        row["vs_dense"] = row["ttft"] / dense[row["length"]]
+        if "keep" in row:
+            row["ideal_speedup"] = 1 / (draft_ratio[row["length"]] + row["keep"])
+
+
+def ttft_table(rows: list) -> str:
+    def cell(row, key, fmt):
+        return format(row[key], fmt) if key in row else ""
+
+    lines = ["| tokens | method | TTFT s | speedup vs dense | ideal 1/(r+k) | scoring share "
+             "| decode tok/s | peak GB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(
+            f"| {r['length']} | {r['method']} | {r['ttft']:.2f} | {1 / r['vs_dense']:.2f}x | "
+            f"{cell(r, 'ideal_speedup', '.2f')} | {cell(r, 'scoring_share', '.0%')} | "
+            f"{cell(r, 'decode_tps', '.1f')} | {cell(r, 'peak_gb', '.2f')} |")
+    return "\n".join(lines)
+
+
+# answer quality -----------------------------------------------------------------
+
+def answer_text(tokenizer, tokens) -> str:
+    return tokenizer.decode(tokens).split("<|end|>")[0].strip()
+
+
+def _greedy(model, logits, cache, n: int, eos: set) -> list:
+    tokens = [mx.argmax(logits, axis=-1).item()]
+    while len(tokens) < n and tokens[-1] not in eos:
+        tokens.append(mx.argmax(model(mx.array([[tokens[-1]]]), cache=cache)[:, -1], axis=-1).item())
+    return tokens
+
+
+def dense_answer(model, ids, n: int, eos: set, step_size: int = 2048) -> list:
+    cache = make_prompt_cache(model)
+    tokens = mx.array(ids)
+    for start in range(0, tokens.size - 1, step_size):
+        model(tokens[start : min(start + step_size, tokens.size - 1)][None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return _greedy(model, model(tokens[-1:][None], cache=cache)[:, -1], cache, n, eos)
+
+
+def sparse_answer(model, ids, kept, n: int, eos: set, step_size: int = 2048) -> list:
+    cache = make_prompt_cache(model)
+    try:
+        logits = sparse_prefill(model, ids, kept, cache, step_size=step_size)
+        return _greedy(model, logits, cache, n, eos)
+    finally:
+        cleanup_rope(model)
+
+
+def random_selection(rng: random.Random, length: int, n_kept: int, chunk_size: int = 32,
+                     tail_tokens: int = 32) -> np.ndarray:
+    """The same forced first chunk and tail as `select_chunks`, then random whole chunks
+    up to `n_kept` tokens: the control that shows the task needs the right tokens."""
+    forced = set(range(min(chunk_size, length))) | set(range(max(length - tail_tokens, 0), length))
+    free = [c for c in range(-(-length // chunk_size))
+            if not set(range(c * chunk_size, min((c + 1) * chunk_size, length))) <= forced]
+    n_free = max(n_kept - len(forced), 0) // chunk_size
+    chosen = {i for c in rng.sample(free, min(n_free, len(free)))
+              for i in range(c * chunk_size, min((c + 1) * chunk_size, length))}
+    return np.array(sorted(forced | chosen))
+
+
+def quality_cases(tokenizer, kinds, lengths, n_cases: int, seed: int = 0) -> list:
+    """The case grid: (kind, length, case seed, prompt ids, expected answer)."""
+    cases = []
+    for length in lengths:
+        for kind in kinds:
+            for i in range(n_cases):
+                case = make_case(tokenizer, seed * 100_000 + i, kind, length)
+                ids = tokenizer.apply_chat_template(case.messages, add_generation_prompt=True)
+                cases.append({"kind": kind, "length": length, "seed": seed * 100_000 + i,
+                              "ids": ids, "answer": case.answer})
+    return cases
+
+
+def quality_rows(cases: list, keeps, random_control: bool = True, report: Report = None) -> list:
+    """Per case: whether dense, SpecPrefill at each keep, and random selection answer right."""
+    model, tokenizer = load_model()
+    draft, _ = load_model(default=DEMO_DRAFT)
+    eos = set(tokenizer.eos_token_ids)
+    rng = random.Random(0)
+    rows = []
+    for number, case in enumerate(cases, 1):
+        ids, answer = case["ids"], case["answer"]
+        n = len(answer) + 1
+
+        def right(tokens):
+            return answer_text(tokenizer, tokens) == answer
+
+        row = {k: case[k] for k in ("kind", "length", "seed")}
+        row["dense"] = right(dense_answer(model, ids, n, eos))
+        importance = score_tokens(draft, ids)
+        for keep in keeps:
+            kept = select_chunks(importance, keep)
+            row[f"specprefill@{keep}"] = right(sparse_answer(model, ids, kept, n, eos))
+            if random_control:
+                control = random_selection(rng, len(ids), int(kept.size))
+                row[f"random@{keep}"] = right(sparse_answer(model, ids, control, n, eos))
+        rows.append(row)
+        if report and number % 10 == 0:
+            report(f"quality: {number}/{len(cases)} cases")
+    return rows
+
+
+def quality_table(rows: list) -> str:
+    """Accuracy per (length, method) and accuracy retained relative to dense."""
+    methods = [k for k in rows[0] if k not in ("kind", "length", "seed")]
+    lines = ["| tokens | n | " + " | ".join(methods) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in methods) + " |"]
+    for length in sorted({r["length"] for r in rows}):
+        group = [r for r in rows if r["length"] == length]
+        dense = sum(r["dense"] for r in group)
+        cells = []
+        for method in methods:
+            right = sum(bool(r.get(method)) for r in group)
+            retained = f" ({right / dense:.0%} of dense)" if dense and method != "dense" else ""
+            cells.append(f"{right / len(group):.0%}{retained}")
+        lines.append(f"| {length} | {len(group)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+__all__ = ["KINDS", "answer_text", "quality_cases", "quality_rows", "quality_table", "ttft_rows",
+           "ttft_table"]
