@@ -39,6 +39,22 @@ def run_case(model, draft, ids, keep, n_tokens, eos):
     return tokens, ttft
 
 
+def position_error(model, ids, keep_every: int = 3) -> float:
+    """Max |layer-0 key after its sparse prefill - dense key at the same index|."""
+    tokens = mx.array(ids)
+    n_chunks = -(-len(ids) // 32)
+    chunks = sorted({0, n_chunks - 1} | set(range(1, n_chunks, keep_every)))
+    kept = mx.array([i for c in chunks for i in range(c * 32, min(c * 32 + 32, len(ids)))])
+    dense, sparse = make_prompt_cache(model), make_prompt_cache(model)
+    model(tokens[None], cache=dense)
+    try:
+        sparse_prefill(model, tokens, kept, sparse)
+    finally:
+        cleanup_rope(model)
+    expected = dense[0].keys[..., : len(ids), :][..., kept, :]
+    return mx.abs(sparse[0].keys[..., : kept.size, :] - expected).max().item()
+
+
 def main() -> int:
     with open(sys.argv[1]) as f:
         job = json.load(f)
@@ -48,6 +64,7 @@ def main() -> int:
         model.set_dtype(mx.float32)
         draft.set_dtype(mx.float32)
     eos = set(tokenizer.eos_token_ids)
+    probe = position_error(model, job["cases"][0]["ids"]) if job["cases"] else None
     results = []
     for case in job["cases"]:
         entry = {}
@@ -57,7 +74,8 @@ def main() -> int:
             runs = runs[job.get("warmup", 0):]
             entry[str(keep)] = {"tokens": runs[0][0], "ttfts": [t for _, t in runs]}
         results.append(entry)
-    json.dump({"mlx_lm": __import__("mlx_lm").__version__, "results": results}, sys.stdout)
+    json.dump({"mlx_lm": __import__("mlx_lm").__version__, "position_error": probe,
+               "results": results}, sys.stdout)
     return 0
 
 

@@ -99,7 +99,8 @@ def ttft_table(rows: list) -> str:
     for r in rows:
         lines.append(
             f"| {r['length']} | {r['method']} | {r['ttft']:.2f} | {1 / r['vs_dense']:.2f}x | "
-            f"{cell(r, 'ideal_speedup', '.2f')} | {cell(r, 'scoring_share', '.0%')} | "
+            f"{cell(r, 'ideal_speedup', '.2f') + ('x' if 'ideal_speedup' in r else '')} | "
+            f"{cell(r, 'scoring_share', '.0%')} | "
             f"{cell(r, 'decode_tps', '.1f')} | {cell(r, 'peak_gb', '.2f')} |")
     return "\n".join(lines)
 

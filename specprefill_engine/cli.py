@@ -12,6 +12,8 @@ EXAMPLES = """examples:
   specprefill-engine ask notes.py --question "What is the secret passkey?"
   specprefill-engine ask a.py b.py -q "What is REGISTRY[\\"412-cobalt\\"]?" --compare
   specprefill-engine chat
+  specprefill-engine bench                     # quick TTFT: dense vs SpecPrefill vs mlx-lm
+  specprefill-engine eval                      # quick accuracy: dense vs SpecPrefill vs random
 """
 
 
@@ -169,6 +171,28 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    """A quick TTFT comparison; benchmarks/ttft.py runs the full one."""
+    from .benchmarking import ttft_rows, ttft_table
+
+    rows = ttft_rows(args.lengths, args.keeps, args.runs,
+                     report=lambda m: print(m, file=sys.stderr, flush=True))
+    print(ttft_table(rows))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    """A quick accuracy check; benchmarks/quality.py runs the full grid and the peers."""
+    from .benchmarking import KINDS, quality_cases, quality_rows, quality_table
+    from .loading import load_model
+
+    _, tokenizer = load_model()
+    cases = quality_cases(tokenizer, KINDS, args.lengths, args.cases)
+    rows = quality_rows(cases, args.keeps, report=lambda m: print(m, file=sys.stderr, flush=True))
+    print(quality_table(rows))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", help="target model: local path or Hugging Face id (default: bundled demo)")
@@ -199,15 +223,26 @@ def parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=cmd_demo)
     chat = commands.add_parser("chat", parents=[common], help="interactive chat (reuses the prefix cache)")
     chat.set_defaults(run=cmd_chat)
+    bench = commands.add_parser("bench", help="quick time-to-first-token comparison on the demo pair")
+    bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+    bench.add_argument("--keeps", type=float, nargs="+", default=[0.3])
+    bench.add_argument("--runs", type=int, default=1)
+    bench.set_defaults(run=cmd_bench)
+    evaluate = commands.add_parser("eval", help="quick answer-accuracy check on the demo pair")
+    evaluate.add_argument("--lengths", type=int, nargs="+", default=[1024])
+    evaluate.add_argument("--cases", type=int, default=5, help="cases per task kind and length")
+    evaluate.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.3])
+    evaluate.set_defaults(run=cmd_eval)
     return top
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    if not 0 < args.keep <= 1:
+    keeps = getattr(args, "keeps", None) or [getattr(args, "keep", 0.3)]
+    if not all(0 < keep <= 1 for keep in keeps):
         print("error: --keep must be in (0, 1]", file=sys.stderr)
         return 2
-    if args.max_tokens < 1:
+    if getattr(args, "max_tokens", 1) < 1:
         print("error: --max-tokens must be at least 1", file=sys.stderr)
         return 2
     from .loading import ModelLoadError

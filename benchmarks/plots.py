@@ -1,0 +1,67 @@
+"""PNG plots from the benchmarks' JSON: TTFT against prompt length per method, and
+accuracy against keep per prompt length.
+
+    .venv/bin/python benchmarks/plots.py --ttft docs/ttft.json --quality docs/quality.json --out docs
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_ttft(rows: list, path: Path, title: str) -> None:
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        points = sorted((r["length"], r["ttft"]) for r in rows if r["method"] == method)
+        axes.plot(*zip(*points), marker="o", label=method)
+    axes.set(xlabel="prompt tokens", ylabel="time to first token (s)", title=title,
+             xscale="log", yscale="log")
+    axes.set_xticks(sorted({r["length"] for r in rows}), [str(n) for n in sorted({r["length"] for r in rows})])
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def plot_quality(rows: list, path: Path, title: str) -> None:
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    methods = [k for k in rows[0] if "@" in k]
+    families = sorted({m.split("@")[0] for m in methods})
+    for length in sorted({r["length"] for r in rows}):
+        group = [r for r in rows if r["length"] == length]
+        dense = sum(r["dense"] for r in group) / len(group)
+        line = axes.axhline(dense, linestyle=":", alpha=0.5)
+        for family, style in zip(families, ("-o", "--s", "-.^", ":v")):
+            keeps = sorted(float(m.split("@")[1]) for m in methods if m.startswith(family + "@"))
+            accuracy = [sum(bool(r.get(f"{family}@{k}")) for r in group) / len(group) for k in keeps]
+            axes.plot(keeps, accuracy, style, color=line.get_color(),
+                      label=f"{family}, {length} tokens (dotted: dense)")
+    axes.set(xlabel="keep fraction", ylabel="exact-answer accuracy", title=title, ylim=(-0.02, 1.02))
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ttft", nargs="*", default=[], help="ttft JSON files")
+    parser.add_argument("--quality", nargs="*", default=[], help="quality JSON files")
+    parser.add_argument("--out", default="docs")
+    args = parser.parse_args(argv)
+    for name in args.ttft:
+        source = Path(name)
+        plot_ttft(json.loads(source.read_text())["rows"], Path(args.out) / f"{source.stem}.png", source.stem)
+    for name in args.quality:
+        source = Path(name)
+        plot_quality(json.loads(source.read_text())["rows"], Path(args.out) / f"{source.stem}.png", source.stem)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
