@@ -74,12 +74,47 @@ def specprefill(model, draft, tokens, keep, parts):
     cleanup_rope(model)
 
 
+def vllm_mlx_rows(target, draft, lengths, keeps, runs, site) -> str:
+    """Save the random models with the demo tokenizer and time vllm-mlx on them."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from mlx_lm.utils import save_config, save_model
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from peers import run_vllm_mlx
+    from specprefill_engine.loading import DEMO_TARGET
+
+    folder = Path(tempfile.mkdtemp())
+    paths = {}
+    for name, model in (("target", target), ("draft", draft)):
+        paths[name] = folder / name
+        save_model(paths[name], model)
+        save_config({**vars(model.args)}, paths[name] / "config.json")
+        for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(DEMO_TARGET / file, paths[name] / file)
+    cases = [{"ids": mx.random.randint(0, 150000, (n,)).tolist(), "n_tokens": 1} for n in lengths]
+    out = run_vllm_mlx({"target": str(paths["target"]), "draft": str(paths["draft"]),
+                        "keeps": keeps, "cases": cases, "runs": runs, "warmup": 1}, site)
+    shutil.rmtree(folder)
+    if "error" in out:
+        return f"vllm-mlx 0.6.0 failed: {out['error']}"
+    lines = []
+    for length, result in zip(lengths, out["results"]):
+        for keep in keeps:
+            ttft = statistics.median(result[str(keep)]["ttfts"])
+            lines.append(f"| {length} | vllm-mlx 0.6.0 keep {keep} | {ttft:.2f} | | |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.3])
     parser.add_argument("--target", default="qwen3-8b", choices=sorted(SHAPES))
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--peer-site", help="folder holding vllm_mlx and mlx_lm 0.31: adds its rows")
     args = parser.parse_args(argv)
     print(f"device {mx.default_device()}, mlx {mx.__version__}, target {args.target}, draft qwen3-0.6b")
     target, draft = build(args.target), build("qwen3-0.6b")
@@ -98,6 +133,8 @@ def main(argv=None) -> int:
             print(f"| {length} | SpecPrefill keep {keep} | {sparse_s:.2f} | {dense_s / sparse_s:.2f}x "
                   f"(ideal {1 / (draft_s / dense_s + keep):.2f}x) | {statistics.median(parts[1:]):.2f} |")
         sys.stdout.flush()
+    if args.peer_site:
+        print(vllm_mlx_rows(target, draft, args.lengths, args.keeps, args.runs, args.peer_site))
     return 0
 
 

@@ -29,7 +29,7 @@ from peers import run_vllm_mlx  # noqa: E402
 def add_vllm_mlx(rows: list, cases: list, keeps, site=None) -> dict:
     """Score vllm-mlx on the same cases; returns what it reported (or its error)."""
     job = {"target": str(DEMO_TARGET), "draft": str(DEMO_DRAFT), "keeps": list(keeps),
-           "float32": default_dtype() == mx.float32,
+           "float32": default_dtype() is not None,
            "cases": [{"ids": c["ids"], "n_tokens": len(c["answer"]) + 1} for c in cases]}
     out = run_vllm_mlx(job, site)
     if "error" in out:

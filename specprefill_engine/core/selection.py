@@ -1,6 +1,6 @@
 """Pick which prompt tokens the target prefills: whole chunks, by mean importance.
 
-Always kept, inside the budget of ceil(keep_pct * M) tokens: the first chunk
+Always kept, inside the budget of about keep_pct * M tokens: the first chunk
 (attention sinks, the chat template's start) and the prompt's last `tail_tokens`
 tokens (the question and the template's end, so the first generated token comes
 from the real last prompt token). `backbone_pct` adds evenly spaced chunks. What
@@ -47,11 +47,12 @@ def select_chunks(
     n_forced = forced_tokens.sum()
 
     # chunks wholly forced already are kept; rank the others by mean importance and
-    # take as many whole chunks as the remaining token budget allows
+    # fill what the budget has left with whole chunks (rounding up, as a chunk budget
+    # of ceil(keep_pct * n_chunks) would)
     budget = math.ceil(keep_pct * length)
     whole = mx.pad(forced_tokens, [(0, n_chunks * chunk_size - length)], constant_values=True)
     fully_forced = whole.reshape(n_chunks, chunk_size).all(axis=1)
-    n_free = mx.maximum((budget - n_forced) // chunk_size, 0)
+    n_free = mx.maximum((budget - n_forced + chunk_size - 1) // chunk_size, 0)
     ranked = mx.where(fully_forced, -mx.inf, chunk_mean)
     rank = mx.argsort(mx.argsort(-ranked))
     chosen = (rank < n_free) & ~fully_forced
