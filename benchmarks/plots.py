@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -21,7 +22,9 @@ def plot_ttft(rows: list, path: Path, title: str) -> None:
         axes.plot(*zip(*points), marker="o", label=method)
     axes.set(xlabel="prompt tokens", ylabel="time to first token (s)", title=title,
              xscale="log", yscale="log")
-    axes.set_xticks(sorted({r["length"] for r in rows}), [str(n) for n in sorted({r["length"] for r in rows})])
+    lengths = sorted({r["length"] for r in rows})
+    axes.set_xticks(lengths, [str(n) for n in lengths])
+    axes.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
@@ -32,14 +35,15 @@ def plot_quality(rows: list, path: Path, title: str) -> None:
     figure, axes = plt.subplots(figsize=(7, 4.5))
     methods = [k for k in rows[0] if "@" in k]
     families = sorted({m.split("@")[0] for m in methods})
-    for length in sorted({r["length"] for r in rows}):
+    for number, length in enumerate(sorted({r["length"] for r in rows})):
         group = [r for r in rows if r["length"] == length]
         dense = sum(r["dense"] for r in group) / len(group)
-        line = axes.axhline(dense, linestyle=":", alpha=0.5)
+        color = plt.cm.tab10(number)
+        axes.axhline(dense, linestyle=":", alpha=0.6, color=color)
         for family, style in zip(families, ("-o", "--s", "-.^", ":v")):
             keeps = sorted(float(m.split("@")[1]) for m in methods if m.startswith(family + "@"))
             accuracy = [sum(bool(r.get(f"{family}@{k}")) for r in group) / len(group) for k in keeps]
-            axes.plot(keeps, accuracy, style, color=line.get_color(),
+            axes.plot(keeps, accuracy, style, color=color,
                       label=f"{family}, {length} tokens (dotted: dense)")
     axes.set(xlabel="keep fraction", ylabel="exact-answer accuracy", title=title, ylim=(-0.02, 1.02))
     axes.grid(alpha=0.3)

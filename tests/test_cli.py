@@ -56,3 +56,12 @@ def test_user_errors_print_one_line_and_exit_nonzero(tmp_path, make_args, messag
     assert message in run.stderr
     assert "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_bench_and_eval_run_quick_versions():
+    bench = cli("bench", "--lengths", "256", "--keeps", "0.3")
+    assert bench.returncode == 0, bench.stderr
+    assert "engine SpecPrefill keep 0.3" in bench.stdout and "mlx-lm stream_generate" in bench.stdout
+    evaluate = cli("eval", "--lengths", "512", "--cases", "1", "--keeps", "0.3")
+    assert evaluate.returncode == 0, evaluate.stderr
+    assert "specprefill@0.3" in evaluate.stdout and "random@0.3" in evaluate.stdout
