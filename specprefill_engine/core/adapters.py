@@ -52,9 +52,30 @@ def _unrotated_attention(layer: nn.Module):
     """The child of `layer` with query and key projections but no `rope`, or None."""
     for child in layer.children().values():
         if isinstance(child, nn.Module) and isinstance(child.get("q_proj"), nn.Module) \
-                and isinstance(child.get("k_proj"), nn.Module) and "rope" not in child:
+                and isinstance(child.get("k_proj"), nn.Module) \
+                and "rope" not in child and "rotary_emb" not in child:
             return child
     return None
+
+
+def takes_position_ids(model: nn.Module) -> bool:
+    """mlx-vlm language models with multi-axis RoPE (Qwen-VL family, GLM-4V): their
+    attention rotates with a `rotary_emb` driven by explicit `position_ids`, and decode
+    positions come from cache offset + `_rope_deltas`, the carrier we set."""
+    return hasattr(model, "_rope_deltas") and any(
+        isinstance(module.get("rotary_emb"), nn.Module)
+        for layer in decoder_layers(model) for module in layer.children().values()
+        if isinstance(module, nn.Module)
+    )
+
+
+def first_attention_cache(model: nn.Module, cache: list):
+    """The cache of the first attention layer: its offset counts tokens fed so far."""
+    indices = cache_indices(model, len(cache))
+    for index, layer in enumerate(decoder_layers(model)):
+        if has_attention(layer):
+            return cache[indices[index]]
+    raise UnsupportedModelError(f"{type(model).__module__}: no attention layers")
 
 
 def _owns(layer: nn.Module, names) -> bool:

@@ -6,6 +6,10 @@ and calls the ORIGINAL module once per contiguous run of kept tokens with that
 run's true start as the offset. Any RoPE variant (plain, traditional, Llama3, YaRN,
 longrope, partial rotary, dynamic NTK) stays exact because its own math runs.
 After prefill, decode calls use `offset + shift` so they land at M, not N.
+
+mlx-vlm models with multi-axis RoPE have no `rope` to wrap: sparse prefill hands them
+explicit `position_ids`, and decode positions come from cache offset + the model's
+`_rope_deltas`, which we set to the shift for each call and clear afterwards.
 """
 
 from contextlib import contextmanager
@@ -15,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .adapters import rope_owners
+from .adapters import rope_owners, takes_position_ids
 
 Runs = Sequence[tuple[int, int]]
 
@@ -53,7 +57,12 @@ class PositionedRoPE(nn.Module):
 
 
 def install_rope(model: nn.Module, runs: Optional[Runs] = None, shift: int = 0) -> None:
-    """Wrap every attention layer's rope (re-using wrappers already there)."""
+    """Wrap every attention layer's rope (re-using wrappers already there); on a
+    position_ids model, set the decode carrier instead."""
+    if takes_position_ids(model):
+        model._rope_deltas = mx.array([[shift]], dtype=mx.int32)
+        model._position_ids = None
+        return
     for owner in rope_owners(model):
         rope = owner["rope"]
         if isinstance(rope, PositionedRoPE):
@@ -63,7 +72,12 @@ def install_rope(model: nn.Module, runs: Optional[Runs] = None, shift: int = 0) 
 
 
 def cleanup_rope(model: nn.Module) -> None:
-    """Remove every PositionedRoPE: the model is as it was loaded."""
+    """Remove every PositionedRoPE (or clear the position_ids model's carrier, as
+    mlx-vlm itself does for a new image): the model is as it was loaded."""
+    if takes_position_ids(model):
+        model._rope_deltas = None
+        model._position_ids = None
+        return
     for owner in rope_owners(model):
         rope = owner["rope"]
         if isinstance(rope, PositionedRoPE):

@@ -13,7 +13,8 @@ import mlx.nn as nn
 import numpy as np
 
 from .adapters import (
-    attention_sites, check_sparse_prefill_supported, rope_owners, sliding_window,
+    check_sparse_prefill_supported, first_attention_cache, rope_owners, sliding_window,
+    takes_position_ids,
 )
 from .positions import install_rope, position_runs, positioned_rope
 from .scoring import CancelCheck, run_steps
@@ -38,10 +39,14 @@ def decode_shift(model: nn.Module, cache, prompt_length: int, position_offset: i
 
     Zero for models without RoPE: their attention has no positions to correct.
     """
-    if not rope_owners(model):
+    if not rope_owners(model) and not takes_position_ids(model):
         return 0
-    site = next(site for site in attention_sites(model) if site.query_source == "rope")
-    return position_offset + prompt_length - cache[site.cache_index].offset
+    return position_offset + prompt_length - first_attention_cache(model, cache).offset
+
+
+def logits_of(output) -> mx.array:
+    """mlx-lm models return logits; mlx-vlm language models an object holding them."""
+    return output if isinstance(output, mx.array) else output.logits
 
 
 def cover_sliding_window(selected, cache, prompt_length: int, position_offset: int = 0):
@@ -70,11 +75,18 @@ def sparse_prefill_steps(
     check_sparse_prefill_supported(model)
     tokens, kept = _validated(tokens, selected)
     kept = cover_sliding_window(kept, cache, tokens.size, position_offset)
+    explicit = takes_position_ids(model)
     for start in range(0, kept.size, step_size):
         chunk = kept[start : start + step_size]
-        runs = position_runs(chunk + position_offset)
-        with positioned_rope(model, runs=runs):
-            logits = model(tokens[mx.array(chunk)][None], cache=cache)[:, -1, :]
+        inputs = tokens[mx.array(chunk)][None]
+        if explicit:  # text tokens: one position row, as the model lays out its own
+            positions = mx.array(chunk + position_offset, dtype=mx.int32)[None]
+            with positioned_rope(model):
+                output = model(inputs, cache=cache, position_ids=positions)
+        else:
+            with positioned_rope(model, runs=position_runs(chunk + position_offset)):
+                output = model(inputs, cache=cache)
+        logits = logits_of(output)[:, -1, :]
         mx.eval(logits, [c.state for c in cache])
         yield start + chunk.size, kept.size
     shift = decode_shift(model, cache, tokens.size, position_offset)
