@@ -1,9 +1,11 @@
 """Load models through mlx-lm, with the bundled demo pair as the default."""
 
+import json
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 
 ASSETS = Path(__file__).parent / "assets"
 DEMO_TARGET = ASSETS / "demo-target"
@@ -38,13 +40,56 @@ def default_dtype() -> Optional[mx.Dtype]:
     return mx.float32 if mx.default_device() == mx.cpu else None
 
 
+class TextOnly(nn.Module):
+    """The language model of an mlx-vlm model, called as mlx-lm calls its models
+    (returns logits). Text-only requests run through it; its `language_model` holds
+    the rope-delta carrier the core sets for decode."""
+
+    def __init__(self, language_model: nn.Module):
+        super().__init__()
+        self.language_model = language_model
+
+    @property
+    def layers(self):
+        return self.language_model.layers
+
+    @property
+    def args(self):
+        return self.language_model.args
+
+    def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
+        output = self.language_model(inputs, cache=cache, **kwargs)
+        return output if isinstance(output, mx.array) else output.logits
+
+
+def is_vision_model(source: str) -> bool:
+    config = Path(source) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
+
+
+def _load(source: str):
+    """mlx-lm for language models; mlx-vlm (the `vlm` extra) for vision-language ones."""
+    from mlx_lm import load
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    if not is_vision_model(source):
+        return load(source)
+    try:
+        from mlx_vlm.utils import load as load_vlm
+    except ImportError:
+        raise ModelLoadError(f"{source} is a vision-language model: install the `vlm` extra "
+                             "(pip install 'specprefill-engine[vlm]')") from None
+    model, _ = load_vlm(source)
+    return TextOnly(model.language_model), load_tokenizer(Path(source))
+
+
 def load_model(name: Optional[str] = None, default: Path = DEMO_TARGET, dtype="auto"):
     """Return (model, tokenizer) for a path, a hub id, or the demo default."""
-    from mlx_lm import load
-
     source = resolve_model_path(name, default)
     try:
-        model, tokenizer = load(source)
+        model, tokenizer = _load(source)
+    except ModelLoadError:
+        raise
     except Exception as error:
         raise ModelLoadError(f"could not load model {source!r}: {error}") from error
     # Prompt length is checked against the model's context by the engine; the HF

@@ -1,6 +1,7 @@
 """Tiny random-weight models built from mlx-lm's own ModelArgs, for tests."""
 
 import importlib
+import json
 import shutil
 from pathlib import Path
 
@@ -118,3 +119,28 @@ def build(case: tuple, seed: int = 0, bits: int = 0) -> nn.Module:
         nn.quantize(model, group_size=32, bits=bits)
         mx.eval(model.parameters())
     return model
+
+
+def save_vlm_with_demo_tokenizer(path: Path) -> Path:
+    """A random-weight tiny Qwen2-VL (vision tower included) saved as mlx-vlm loads it."""
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models.qwen2_vl import config, qwen2_vl
+
+    text = {**BASE, "model_type": "qwen2_vl", "vocab_size": 4096,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    vision = {"model_type": "qwen2_vl", "depth": 1, "embed_dim": 32, "hidden_size": 64,
+              "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, "in_channels": 3}
+    tokens = {"image_token_id": 4000, "video_token_id": 4001, "vision_start_token_id": 4002}
+    model = qwen2_vl.Model(config.ModelConfig(
+        text_config=config.TextConfig.from_dict(text),
+        vision_config=config.VisionConfig.from_dict(vision), model_type="qwen2_vl",
+        vocab_size=4096, **tokens))
+    mx.eval(model.parameters())
+    path.mkdir(parents=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(
+        {**text, "vision_config": vision, **tokens, "eos_token_id": 4, "bos_token_id": None}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEMO_TARGET / name, path / name)
+    return path

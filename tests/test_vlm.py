@@ -143,3 +143,32 @@ def test_keep_all_is_dense_and_later_dense_requests_are_unaffected(family):
                        cancel_check=fail)
     assert model._rope_deltas is None
     assert dense_greedy(model, tokens) == reference
+
+
+def test_the_engine_serves_a_vision_language_model_text_only(tmp_path):
+    """A saved tiny Qwen2-VL loads through mlx-vlm; text requests get SpecPrefill and
+    keep 1.0 equals dense, with requests interleaved on the shared model."""
+    import asyncio
+
+    from models import save_vlm_with_demo_tokenizer
+    from specprefill_engine import Engine
+    from specprefill_engine.loading import DEMO_DRAFT
+
+    path = save_vlm_with_demo_tokenizer(tmp_path / "vlm")
+    prompt = random_tokens(600, vocab=4000).tolist()
+
+    async def run():
+        async with Engine(model=str(path), draft=str(DEMO_DRAFT), threshold=256,
+                          prefix_cache_bytes=0) as engine:
+            dense = await engine.generate(prompt, max_tokens=8, specprefill=False)
+            full, sparse, dense_again = await asyncio.gather(
+                engine.generate(prompt, max_tokens=8, keep=1.0),
+                engine.generate(prompt, max_tokens=8, keep=0.3),
+                engine.generate(prompt, max_tokens=8, specprefill=False),
+            )
+        return dense, full, sparse, dense_again
+
+    dense, full, sparse, dense_again = asyncio.run(run())
+    assert full.specprefill.engaged and sparse.specprefill.engaged
+    assert sparse.specprefill.kept_tokens < 600
+    assert full.token_ids == dense.token_ids == dense_again.token_ids

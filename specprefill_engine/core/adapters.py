@@ -58,11 +58,20 @@ def _unrotated_attention(layer: nn.Module):
     return None
 
 
+def position_carrier(model: nn.Module):
+    """The module holding mlx-vlm's `_rope_deltas`: the model, or the language model
+    it wraps (a text-only view of a VLM), or None."""
+    for candidate in (model, model.get("language_model")):
+        if candidate is not None and hasattr(candidate, "_rope_deltas"):
+            return candidate
+    return None
+
+
 def takes_position_ids(model: nn.Module) -> bool:
     """mlx-vlm language models with multi-axis RoPE (Qwen-VL family, GLM-4V): their
     attention rotates with a `rotary_emb` driven by explicit `position_ids`, and decode
     positions come from cache offset + `_rope_deltas`, the carrier we set."""
-    return hasattr(model, "_rope_deltas") and any(
+    return position_carrier(model) is not None and any(
         isinstance(module.get("rotary_emb"), nn.Module)
         for layer in decoder_layers(model) for module in layer.children().values()
         if isinstance(module, nn.Module)

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .adapters import rope_owners, takes_position_ids
+from .adapters import position_carrier, rope_owners, takes_position_ids
 
 Runs = Sequence[tuple[int, int]]
 
@@ -60,8 +60,12 @@ def install_rope(model: nn.Module, runs: Optional[Runs] = None, shift: int = 0) 
     """Wrap every attention layer's rope (re-using wrappers already there); on a
     position_ids model, set the decode carrier instead."""
     if takes_position_ids(model):
-        model._rope_deltas = mx.array([[shift]], dtype=mx.int32)
-        model._position_ids = None
+        carrier = position_carrier(model)
+        carrier._rope_deltas = mx.array([[shift]], dtype=mx.int32)
+        carrier._position_ids = None
+        return
+    if runs is None and shift == 0:
+        cleanup_rope(model)  # the model's own RoPE is already right
         return
     for owner in rope_owners(model):
         rope = owner["rope"]
@@ -75,8 +79,9 @@ def cleanup_rope(model: nn.Module) -> None:
     """Remove every PositionedRoPE (or clear the position_ids model's carrier, as
     mlx-vlm itself does for a new image): the model is as it was loaded."""
     if takes_position_ids(model):
-        model._rope_deltas = None
-        model._position_ids = None
+        carrier = position_carrier(model)
+        carrier._rope_deltas = None
+        carrier._position_ids = None
         return
     for owner in rope_owners(model):
         rope = owner["rope"]

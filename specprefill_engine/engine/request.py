@@ -10,7 +10,6 @@ other's positions.
 
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Optional
 
@@ -47,13 +46,18 @@ class Request:
 
 
 def dense_prefill_steps(model, tokens: mx.array, cache, step_size: int) -> Generator:
-    """Prefill in chunks, yielding (tokens done, tokens); returns the last token's logits."""
+    """Prefill in chunks, yielding (tokens done, tokens); returns the last token's logits.
+
+    Each call sets its own (zero) position state: another request's may have run in
+    between (for mlx-vlm models, the rope-delta carrier)."""
     for start in range(0, tokens.size - 1, step_size):
         end = min(start + step_size, tokens.size - 1)
-        model(tokens[start:end][None], cache=cache)
+        with positioned_rope(model):
+            model(tokens[start:end][None], cache=cache)
         mx.eval([c.state for c in cache])
         yield end, tokens.size
-    logits = model(tokens[-1:][None], cache=cache)[:, -1, :]
+    with positioned_rope(model):
+        logits = model(tokens[-1:][None], cache=cache)[:, -1, :]
     mx.eval(logits)
     return logits
 
@@ -183,7 +187,6 @@ def _decode(request, runtime, cache, logits, shift, output: _Output) -> Generato
     reason = output.accept(first)
     if reason is not None or params.max_tokens == 1:
         return reason or "length"
-    rope = (lambda: positioned_rope(model, shift=shift)) if shift else nullcontext
     steps = generate_step(
         mx.array([first]), model, max_tokens=params.max_tokens - 1, sampler=sampler,
         logits_processors=processors, prompt_cache=cache,
@@ -191,7 +194,7 @@ def _decode(request, runtime, cache, logits, shift, output: _Output) -> Generato
     try:
         while reason is None:
             yield
-            with rope():
+            with positioned_rope(model, shift=shift):
                 token, _ = next(steps, (None, None))
             if token is None:
                 return "length"
