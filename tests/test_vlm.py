@@ -172,3 +172,15 @@ def test_the_engine_serves_a_vision_language_model_text_only(tmp_path):
     assert full.specprefill.engaged and sparse.specprefill.engaged
     assert sparse.specprefill.kept_tokens < 600
     assert full.token_ids == dense.token_ids == dense_again.token_ids
+
+
+def test_langchain_chat_model_accepts_a_vision_language_model(tmp_path):
+    from langchain_specprefill import ChatSpecPrefill
+    from models import save_vlm_with_demo_tokenizer
+    from specprefill_engine.loading import DEMO_DRAFT
+
+    path = save_vlm_with_demo_tokenizer(tmp_path / "vlm")
+    llm = ChatSpecPrefill(model=str(path), draft=str(DEMO_DRAFT), max_tokens=4, threshold=64)
+    message = llm.invoke("def main():\n    return 1\n" * 20)
+    assert message.usage_metadata["output_tokens"] == 4
+    assert message.response_metadata["specprefill"]["engaged"]
