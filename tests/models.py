@@ -49,6 +49,12 @@ def tiny_model(model_type: str, seed: int = 0, **overrides) -> nn.Module:
     return model
 
 
+def kept_chunks(length: int, every: int = 3) -> mx.array:
+    """Every third 32-token chunk, plus the first and the last: a sparse selection."""
+    chunks = sorted({0, (length - 1) // 32} | set(range(1, -(-length // 32), every)))
+    return mx.array([i for c in chunks for i in range(c * 32, min(c * 32 + 32, length))])
+
+
 def random_tokens(length: int, vocab: int = 128, seed: int = 0) -> mx.array:
     mx.random.seed(seed)
     return mx.random.randint(5, vocab, (length,))

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import HYBRID_CASES, MAMBA, ROPE_CASES, build, random_tokens, save_with_demo_tokenizer
+from models import (
+    HYBRID_CASES, MAMBA, ROPE_CASES, build, kept_chunks, random_tokens, save_with_demo_tokenizer,
+)
 from specprefill_engine import Engine, ModelLoadError
 from specprefill_engine.core import (
     UnsupportedModelError, cleanup_rope, score_tokens, select_chunks, sparse_prefill,
@@ -20,12 +22,6 @@ from specprefill_engine.loading import DEMO_DRAFT
 
 M, PREFIX = 300, 100
 ALL_CASES = {**ROPE_CASES, **HYBRID_CASES}
-
-
-def kept_chunks(length, every=3):
-    """Every third 32-token chunk, plus the first and the last."""
-    chunks = sorted({0, (length - 1) // 32} | set(range(1, -(-length // 32), every)))
-    return mx.array([i for c in chunks for i in range(c * 32, min(c * 32 + 32, length))])
 
 
 def no_wrappers(model):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import BASE, random_tokens
+from models import BASE, kept_chunks, random_tokens
 from specprefill_engine.core import cleanup_rope, sparse_prefill
 
 pytest.importorskip("mlx_vlm", reason="the `vlm` extra (mlx-vlm) is not installed")
@@ -31,11 +31,6 @@ def tiny_vlm_language_model(model_type: str, seed: int = 0) -> nn.Module:
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
-
-
-def kept_chunks(length):
-    chunks = sorted({0, (length - 1) // 32} | set(range(1, -(-length // 32), 3)))
-    return mx.array([i for c in chunks for i in range(c * 32, min(c * 32 + 32, length))])
 
 
 class PositionRecorder(nn.Module):
