@@ -1,42 +1,110 @@
 """`ChatSpecPrefill`: a langchain-core chat model backed by a shared Engine.
 
-All four entry points (`_generate`, `_agenerate`, `_stream`, `_astream`) go to the
-engine's worker thread directly, so no MLX work reaches LangChain's thread-pool
-defaults. Instances with the same model settings (including `bind` and
-`with_config` copies) share one engine; constructing one loads nothing.
+All four entry points (`_generate`, `_agenerate`, `_stream`, `_astream`) stream from
+the engine's worker thread and run the same output parser (content, `<think>`
+reasoning, tool calls), so invoke, stream and astream_events give the same message.
+Every chat model with the same (model, draft, dtype) shares one engine; `keep`,
+`threshold` and the sampling settings travel with each request. Constructing a chat
+model loads nothing.
 """
 
+import asyncio
+import atexit
+import json
 import threading
-from dataclasses import fields
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence
+import uuid
+from operator import itemgetter
+from typing import Any, AsyncIterator, Iterator, Literal, Optional, Sequence, Union
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages import AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.utils import message_chunk_to_message
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import (
+    JsonOutputKeyToolsParser, PydanticToolsParser,
+)
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.utils.function_calling import convert_to_openai_tool
+from langchain_core.runnables import RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import Field
 
 from specprefill_engine import Engine
-from specprefill_engine.engine import SamplingParams
 
 from .messages import to_chat_messages
-from .tool_calls import split_tool_calls
+from .tool_calls import OutputParser
 
-# Sampling settings this model exposes as fields; stops are merged separately.
-SAMPLING_FIELDS = [f.name for f in fields(SamplingParams) if f.name not in ("stop", "stop_token_ids")]
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
+                   "repetition_penalty", "seed")
+REQUEST_FIELDS = SAMPLING_FIELDS + ("keep", "threshold", "specprefill")
+# What a call (or `bind`) may pass besides the fields above.
+CALL_KWARGS = set(REQUEST_FIELDS) | {
+    "stop", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+    "chat_template_kwargs", "reasoning", "timeout",
+}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 _engines: dict = {}
 _engines_lock = threading.Lock()
 
 
-def shared_engine(model: Optional[str], draft: Optional[str], keep: float, threshold: int) -> Engine:
-    """One engine per model pair and policy, for every chat model that names them."""
-    key = (model, draft, keep, threshold)
+def shared_engine(model: Optional[str], draft: Optional[str], dtype: Optional[str] = "auto") -> Engine:
+    """One engine per (model, draft, dtype), for every chat model that names them."""
+    key = (model, draft, dtype)
     with _engines_lock:
         if key not in _engines:
-            _engines[key] = Engine(model=model, draft=draft, keep=keep, threshold=threshold)
+            if dtype in (None, "auto"):
+                engine_dtype = "auto" if dtype == "auto" else None
+            else:
+                import mlx.core as mx
+
+                engine_dtype = getattr(mx, dtype)
+            _engines[key] = Engine(model=model, draft=draft, dtype=engine_dtype)
         return _engines[key]
+
+
+def _release_engine(model, draft, dtype) -> Optional[Engine]:
+    with _engines_lock:
+        return _engines.pop((model, draft, dtype), None)
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    """Stop every shared engine's worker before the interpreter goes away."""
+    with _engines_lock:
+        engines = list(_engines.values())
+        _engines.clear()
+    for engine in engines:
+        try:
+            engine.shutdown_sync()
+        except Exception:  # pragma: no cover - best effort at exit
+            pass
+
+
+class ToolsNotSupportedError(ValueError):
+    """The model's chat template cannot show tools to the model."""
+
+
+def _tool_choice(choice, names: list):
+    """LangChain's tool_choice values -> 'auto', 'none', 'required' or a tool name."""
+    if choice is None or choice == "auto":
+        return "auto"
+    if choice == "none" or choice is False:
+        return "none"
+    if choice in ("any", "required") or choice is True:
+        return "required"
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") or choice.get("name")
+    elif isinstance(choice, str):
+        name = choice
+    else:
+        raise ValueError(f"tool_choice must be 'auto', 'any', 'required', 'none' or a tool "
+                         f"name; got {choice!r}")
+    if name not in names:
+        raise ValueError(f"tool_choice {name!r} is not one of the bound tools {names}")
+    return name
 
 
 class ChatSpecPrefill(BaseChatModel):
@@ -51,9 +119,14 @@ class ChatSpecPrefill(BaseChatModel):
     """Target model: local path or Hugging Face id (None: bundled demo)."""
     draft: Optional[str] = None
     """Draft model sharing the target's tokenizer (None with no model: bundled demo)."""
+    dtype: Optional[Literal["auto", "float32", "bfloat16", "float16"]] = "auto"
+    """Weights dtype: "auto" (float32 on the CPU, stored dtype on a GPU), None (stored)."""
     keep: float = 0.3
+    """Fraction of prompt tokens SpecPrefill keeps (per request)."""
     threshold: int = 1024
+    """SpecPrefill engages for prompts of at least this many new tokens (per request)."""
     specprefill: Optional[bool] = None
+    """None: by threshold; True / False: always / never."""
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -63,7 +136,15 @@ class ChatSpecPrefill(BaseChatModel):
     seed: Optional[int] = None
     stop: Optional[list[str]] = Field(default=None, alias="stop_sequences")
     timeout: Optional[float] = None
-    max_retries: int = 0
+    """Seconds for a whole request; past it the request is aborted and TimeoutError raised."""
+    chat_template_kwargs: Optional[dict] = None
+    """Passed to the chat template on every request (e.g. {"enable_thinking": True})."""
+    reasoning: Optional[bool] = None
+    """True / False sets the template's `enable_thinking`; None leaves the template's default.
+    `<think>` blocks always go to additional_kwargs["reasoning_content"]."""
+    parallel_tool_calls: bool = False
+    """Let a forced tool-call turn hold several calls (llama.cpp's default is off too:
+    small models otherwise repeat a call until max_tokens)."""
 
     model_config = {"populate_by_name": True}
 
@@ -77,43 +158,138 @@ class ChatSpecPrefill(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict:
-        return {"model": self.model_name, "draft": self.draft, "keep": self.keep}
+        """Every setting that changes the output (LangChain's cache keys on these)."""
+        params = {"model": self.model_name, "draft": self.draft, "dtype": self.dtype}
+        params.update({name: getattr(self, name) for name in REQUEST_FIELDS})
+        params.update(stop=self.stop, chat_template_kwargs=self.chat_template_kwargs,
+                      reasoning=self.reasoning, parallel_tool_calls=self.parallel_tool_calls)
+        return params
 
     @property
     def engine(self) -> Engine:
-        return shared_engine(self.model, self.draft, self.keep, self.threshold)
+        return shared_engine(self.model, self.draft, self.dtype)
+
+    @property
+    def tokenizer(self):
+        """The target's tokenizer (starts the engine: models load on first use)."""
+        return self.engine.tokenizer
+
+    # lifecycle ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Shut down the engine this model shares with every chat model of the same
+        (model, draft, dtype); requests in flight on it are aborted. A later call
+        on any of them starts a fresh engine."""
+        engine = _release_engine(self.model, self.draft, self.dtype)
+        if engine is not None:
+            engine.shutdown_sync()
+
+    async def aclose(self) -> None:
+        engine = _release_engine(self.model, self.draft, self.dtype)
+        if engine is not None:
+            await engine.shutdown()
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> dict:
         params = super()._get_ls_params(stop=stop, **kwargs)
-        params.update(ls_provider="specprefill", ls_model_name=kwargs.get("model", self.model_name),
+        params.update(ls_provider="specprefill", ls_model_name=self.model_name,
                       ls_temperature=kwargs.get("temperature", self.temperature),
                       ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
         if stop or self.stop:
             params["ls_stop"] = stop or self.stop
         return params
 
-    # request building ----------------------------------------------------------
+    # tokens ---------------------------------------------------------------------
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids from the model's own tokenizer (offline; no GPT-2 fallback)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def get_num_tokens(self, text: str) -> int:
+        return len(self.get_token_ids(text))
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage],
+                                     tools: Optional[Sequence] = None) -> int:
+        """Prompt tokens of these messages as a request sends them (chat template,
+        tools and generation prompt included)."""
+        chat = to_chat_messages(messages)
+        extra = {"tools": [convert_to_openai_tool(t) for t in tools]} if tools else {}
+        extra.update(self._template_kwargs({}))
+        return len(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, **extra))
+
+    # request building -------------------------------------------------------------
+
+    def _template_kwargs(self, kwargs: dict) -> dict:
+        merged = dict(self.chat_template_kwargs or {})
+        reasoning = kwargs.get("reasoning", self.reasoning)
+        if reasoning is not None:
+            merged["enable_thinking"] = bool(reasoning)
+        merged.update(kwargs.get("chat_template_kwargs") or {})
+        return merged
 
     def _request(self, messages: list[BaseMessage], stop: Optional[list[str]], kwargs: dict):
-        tools = kwargs.pop("tools", None)
-        kwargs.pop("tool_choice", None)
-        options = {name: getattr(self, name) for name in SAMPLING_FIELDS}
-        options["specprefill"] = self.specprefill
-        options.update({k: v for k, v in kwargs.items() if k in options or k == "keep"})
-        stops = list(self.stop or []) + list(stop or [])
+        """(chat messages, engine options, output parser, timeout) for one call."""
+        kwargs = dict(kwargs)
+        kwargs.pop("ls_structured_output_format", None)
+        if "model" in kwargs:
+            raise ValueError(
+                f"ChatSpecPrefill does not take a per-call model= (got {kwargs['model']!r}): "
+                "one engine holds one model pair; make another ChatSpecPrefill(model=...)")
+        unknown = sorted(set(kwargs) - CALL_KWARGS)
+        if unknown:
+            raise TypeError(f"ChatSpecPrefill got unexpected keyword argument(s) {unknown}; "
+                            f"it takes {sorted(CALL_KWARGS)}")
+        options = {name: kwargs.get(name, getattr(self, name)) for name in REQUEST_FIELDS}
+        stops = list(self.stop or []) + list(stop or []) + list(kwargs.get("stop") or [])
         if stops:
             options["stop"] = stops
+        template_kwargs = self._template_kwargs(kwargs)
+        if template_kwargs:
+            options["chat_template_kwargs"] = template_kwargs
+        tools = kwargs.get("tools") or None
+        response_format = kwargs.get("response_format")
+        parse_tools = False
         if tools:
             options["tools"] = tools
-        return to_chat_messages(messages), options, tools
+            choice = _tool_choice(kwargs.get("tool_choice"),
+                                  [t["function"]["name"] for t in tools])
+            parse_tools = choice != "none"
+            if parse_tools and response_format is None:
+                response_format = self._tool_format(
+                    tools, choice, kwargs.get("parallel_tool_calls", self.parallel_tool_calls))
+        if response_format is not None:
+            options["response_format"] = response_format
+        chat = to_chat_messages(messages)
+        parser = OutputParser(self.tokenizer, parse_tools=parse_tools, tools=tools,
+                              in_reasoning=self._opens_think(chat, tools, template_kwargs))
+        return chat, options, parser, kwargs.get("timeout", self.timeout)
 
-    def _message(self, text: str, result, tools) -> AIMessage:
-        content, calls, invalid = split_tool_calls(text, self.engine.tokenizer, tools)
-        return AIMessage(
-            content=content, tool_calls=calls, invalid_tool_calls=invalid,
-            usage_metadata=self._usage(result.usage),
-            response_metadata=self._metadata(result),
-        )
+    def _tool_format(self, tools: list, choice: str, parallel) -> Optional[dict]:
+        """The engine's constrained tool-call format, for templates with Qwen markup."""
+        if self.tokenizer.tool_call_start != "<tool_call>":
+            if choice == "auto":
+                return None  # calls are parsed, not constrained
+            raise NotImplementedError(
+                f"tool_choice={choice!r} needs constrained tool calls, which produce "
+                "<tool_call> JSON markup; this model's tool-call format is "
+                f"{self.tokenizer.tool_call_start!r}")
+        if choice not in ("auto", "required"):
+            choice = {"type": "function", "function": {"name": choice}}
+        return {"type": "tool_call", "tools": tools, "tool_choice": choice,
+                "parallel_tool_calls": bool(parallel)}
+
+    def _opens_think(self, chat: list, tools, template_kwargs: dict) -> bool:
+        """Does the rendered prompt end inside an open think block (Qwen3 thinking)?"""
+        tokenizer = self.tokenizer
+        start = tokenizer.think_start if getattr(tokenizer, "has_thinking", False) else "<think>"
+        template = getattr(tokenizer, "chat_template", None)
+        if not isinstance(template, str) or start not in template:
+            return False
+        extra = {"tools": tools} if tools else {}
+        prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
+                                               **extra, **template_kwargs)
+        return isinstance(prompt, str) and prompt.rstrip().endswith(start)
+
+    # messages -------------------------------------------------------------------
 
     @staticmethod
     def _usage(usage) -> UsageMetadata:
@@ -132,54 +308,212 @@ class ChatSpecPrefill(BaseChatModel):
             "timings": vars(final.timings).copy(),
         }
 
+    @staticmethod
+    def _event_chunk(kind: str, value) -> AIMessageChunk:
+        if kind == "content":
+            return AIMessageChunk(content=value)
+        if kind == "reasoning":
+            return AIMessageChunk(content="", additional_kwargs={"reasoning_content": value})
+        return AIMessageChunk(content="", tool_call_chunks=[{
+            "name": value.name, "args": value.args, "id": value.id, "index": value.index,
+            "type": "tool_call_chunk"}])
+
+    def _chunks(self, chunk, parser: OutputParser, timed_out, timeout) -> list:
+        """Engine chunk -> message chunks (the last carries usage and metadata)."""
+        events = parser.feed(chunk.text)
+        if chunk.finish_reason is None:
+            return [self._event_chunk(kind, value) for kind, value in events]
+        if chunk.finish_reason == "abort" and timed_out.is_set():
+            raise TimeoutError(f"ChatSpecPrefill request exceeded timeout={timeout}s "
+                               "and was aborted")
+        events += parser.finish()
+        messages = [self._event_chunk(kind, value) for kind, value in events]
+        messages.append(AIMessageChunk(content="", usage_metadata=self._usage(chunk.usage),
+                                       response_metadata=self._metadata(chunk),
+                                       chunk_position="last"))
+        return messages
+
+    # timeouts -------------------------------------------------------------------
+
+    def _arm(self, timeout: Optional[float], request_id: str, done: threading.Event,
+             timed_out: threading.Event):
+        """A timer that aborts the request at its deadline (retrying until it is known)."""
+        if timeout is None:
+            return None
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        engine = self.engine
+
+        def fire():
+            timed_out.set()
+            while not done.is_set() and not engine.abort(request_id):
+                done.wait(0.01)
+
+        timer = threading.Timer(timeout, fire)
+        timer.daemon = True
+        timer.start()
+        return timer
+
     # the four entry points -------------------------------------------------------
+
+    def _sync_chunks(self, messages, stop, kwargs) -> Iterator[AIMessageChunk]:
+        chat, options, parser, timeout = self._request(messages, stop, kwargs)
+        request_id = f"lc-{uuid.uuid4().hex[:16]}"
+        done, timed_out = threading.Event(), threading.Event()
+        timer = self._arm(timeout, request_id, done, timed_out)
+        try:
+            for chunk in self.engine.stream_sync(chat, request_id=request_id, **options):
+                if timed_out.is_set() and chunk.finish_reason is None:
+                    continue  # the abort is on its way; the final chunk raises
+                yield from self._chunks(chunk, parser, timed_out, timeout)
+        finally:
+            done.set()
+            if timer is not None:
+                timer.cancel()
+
+    async def _async_chunks(self, messages, stop, kwargs) -> AsyncIterator[AIMessageChunk]:
+        chat, options, parser, timeout = self._request(messages, stop, kwargs)
+        request_id = f"lc-{uuid.uuid4().hex[:16]}"
+        done, timed_out = threading.Event(), threading.Event()
+        timer = self._arm(timeout, request_id, done, timed_out)
+        stream = self.engine.stream(chat, request_id=request_id, **options)
+        try:
+            async for chunk in stream:
+                if timed_out.is_set() and chunk.finish_reason is None:
+                    continue
+                for message in self._chunks(chunk, parser, timed_out, timeout):
+                    yield message
+        finally:
+            done.set()
+            if timer is not None:
+                timer.cancel()
+            await stream.aclose()
+
+    @staticmethod
+    def _result(chunks: list) -> ChatResult:
+        total = chunks[0]
+        for chunk in chunks[1:]:
+            total = total + chunk
+        return ChatResult(generations=[ChatGeneration(message=message_chunk_to_message(total))])
 
     def _generate(self, messages, stop=None, run_manager: Optional[CallbackManagerForLLMRun] = None,
                   **kwargs: Any) -> ChatResult:
-        chat, options, tools = self._request(messages, stop, kwargs)
-        result = self.engine.generate_sync(chat, **options)
-        return ChatResult(generations=[ChatGeneration(message=self._message(result.text, result, tools))])
+        return self._result(list(self._sync_chunks(messages, stop, kwargs)))
 
     async def _agenerate(self, messages, stop=None,
                          run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
                          **kwargs: Any) -> ChatResult:
-        chat, options, tools = self._request(messages, stop, kwargs)
-        result = await self.engine.generate(chat, **options)
-        return ChatResult(generations=[ChatGeneration(message=self._message(result.text, result, tools))])
-
-    def _chunk(self, chunk, run_manager) -> ChatGenerationChunk:
-        message = AIMessageChunk(content=chunk.text)
-        if chunk.finish_reason is not None:
-            message = AIMessageChunk(content=chunk.text, usage_metadata=self._usage(chunk.usage),
-                                     response_metadata=self._metadata(chunk), chunk_position="last")
-        return ChatGenerationChunk(message=message)
+        return self._result([c async for c in self._async_chunks(messages, stop, kwargs)])
 
     def _stream(self, messages, stop=None, run_manager: Optional[CallbackManagerForLLMRun] = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        chat, options, _ = self._request(messages, stop, kwargs)
-        for chunk in self.engine.stream_sync(chat, **options):
-            generation = self._chunk(chunk, run_manager)
-            if run_manager and chunk.text:
-                run_manager.on_llm_new_token(chunk.text, chunk=generation)
+        for message in self._sync_chunks(messages, stop, kwargs):
+            generation = ChatGenerationChunk(message=message)
+            if run_manager:
+                run_manager.on_llm_new_token(message.content, chunk=generation)
             yield generation
 
     async def _astream(self, messages, stop=None,
                        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        chat, options, _ = self._request(messages, stop, kwargs)
-        stream = self.engine.stream(chat, **options)
+        chunks = self._async_chunks(messages, stop, kwargs)
         try:
-            async for chunk in stream:
-                generation = self._chunk(chunk, run_manager)
-                if run_manager and chunk.text:
-                    await run_manager.on_llm_new_token(chunk.text, chunk=generation)
+            async for message in chunks:
+                generation = ChatGenerationChunk(message=message)
+                if run_manager:
+                    await run_manager.on_llm_new_token(message.content, chunk=generation)
                 yield generation
         finally:
-            await stream.aclose()
+            await chunks.aclose()
 
-    # tools -----------------------------------------------------------------------
+    # tools and structured output --------------------------------------------------
 
-    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Optional[Any] = None, **kwargs: Any):
-        """Pass tool schemas to the chat template; calls are parsed from the output."""
+    def check_tools_supported(self) -> None:
+        """Raise ToolsNotSupportedError unless the chat template shows tools to the model
+        and the tokenizer knows how the model writes a tool call."""
+        tokenizer = self.tokenizer
+        probe = [{"role": "user", "content": "hi"}]
+        tool = {"type": "function", "function": {
+            "name": "probe_tool_7f3a", "description": "probe",
+            "parameters": {"type": "object", "properties": {}}}}
+        try:
+            plain = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+            with_tools = tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False,
+                                                       add_generation_prompt=True)
+        except Exception as error:
+            raise ToolsNotSupportedError(
+                f"{self.model_name}: the chat template failed to render tools: {error}") from error
+        if plain == with_tools or "probe_tool_7f3a" not in with_tools:
+            raise ToolsNotSupportedError(
+                f"{self.model_name}: its chat template does not render tools, so the model "
+                "would never see them; use a model whose template supports tools")
+        if not getattr(tokenizer, "has_tool_calling", False) or tokenizer.tool_parser is None:
+            raise ToolsNotSupportedError(
+                f"{self.model_name}: mlx-lm knows no tool-call format for this tokenizer "
+                "(no tool_call_start / tool_parser), so calls could not be read back")
+
+    def bind_tools(self, tools: Sequence[Any], *,
+                   tool_choice: Optional[Union[str, dict, bool]] = None,
+                   parallel_tool_calls: Optional[bool] = None, **kwargs: Any):
+        """Bind tools: the template shows them to the model, calls are parsed from the
+        output (also while streaming), and tool_choice is enforced by constrained
+        decoding: "auto" (text, or valid calls), "any"/"required" (calls only), a tool
+        name (exactly that call), "none" (no calls parsed)."""
         formatted = [convert_to_openai_tool(tool) for tool in tools]
+        self.check_tools_supported()
+        names = [t["function"]["name"] for t in formatted]
+        _tool_choice(tool_choice, names)  # validate now, not at the first call
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
         return self.bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    def with_structured_output(
+        self, schema: Optional[Union[dict, type]] = None, *,
+        method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
+        include_raw: bool = False, strict: Optional[bool] = None, **kwargs: Any,
+    ):
+        """Structured output through constrained decoding; the output always parses.
+
+        method "json_schema" (default): the reply is JSON matching the schema.
+        "json_mode": a JSON object; when a schema is given it is matched too (a local
+        engine can enforce it for free). "function_calling": a forced call of a tool
+        made from the schema. `strict` is accepted for compatibility: decoding is
+        always strict here.
+        """
+        if kwargs:
+            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        if method == "function_calling":
+            if schema is None:
+                raise ValueError("method='function_calling' needs a schema")
+            tool = convert_to_openai_tool(schema)
+            name = tool["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format={
+                "kwargs": {"method": method}, "schema": tool})
+            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic
+                      else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        elif method in ("json_schema", "json_mode"):
+            if schema is None and method == "json_schema":
+                raise ValueError("method='json_schema' needs a schema")
+            json_schema = convert_to_json_schema(schema) if schema is not None else None
+            if method == "json_schema":
+                response_format = {"type": "json_schema", "json_schema": {
+                    "name": json_schema.get("title", "response"), "schema": json_schema}}
+            else:
+                response_format = {"type": "json_object"}
+                if json_schema is not None:
+                    response_format["schema"] = json_schema
+            llm = self.bind(response_format=response_format, ls_structured_output_format={
+                "kwargs": {"method": method}, "schema": json_schema})
+            parser = (PydanticOutputParser(pydantic_object=schema) if is_pydantic
+                      else JsonOutputParser())
+        else:
+            raise ValueError(f"method must be 'json_schema', 'json_mode' or 'function_calling', "
+                             f"got {method!r}")
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser,
+                                            parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback],
+                                                             exception_key="parsing_error")

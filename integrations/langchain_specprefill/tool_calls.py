@@ -1,43 +1,192 @@
-"""Turn a model's text into LangChain tool calls with the tokenizer's own parser.
+"""Split a model's streamed text into content, reasoning and tool calls.
 
 mlx-lm's tokenizer wrapper knows the model family's tool-call markers
 (`tool_call_start` / `tool_call_end`) and a `tool_parser` for what lies between
-them; we only cut the text at the markers and give each call an id.
+them; think markers come from the wrapper too (`<think>` / `</think>` otherwise).
+`OutputParser` is fed text as it streams and returns events as soon as they are
+certain: content and reasoning text (a possible partial marker at the end is held
+back), and each tool call once its end marker arrives. Markup never reaches the
+content; whitespace next to a removed block is dropped, other text is kept exactly.
+Every entry point (invoke, stream, ...) runs the same parser, so they agree.
 """
 
 import json
 import uuid
+from dataclasses import dataclass, field
 from typing import Optional
 
+THINK_START, THINK_END = "<think>", "</think>"
 
-def split_tool_calls(text: str, tokenizer, tools: Optional[list] = None) -> tuple[str, list, list]:
-    """Return (content without the calls, tool_calls, invalid_tool_calls)."""
-    start = getattr(tokenizer, "tool_call_start", None)
-    parser = getattr(tokenizer, "tool_parser", None)
-    if not start or parser is None or start not in text:
-        return text, [], []
-    end = getattr(tokenizer, "tool_call_end", None) or ""
-    content, calls, invalid = [], [], []
-    rest = text
-    while start in rest:
-        before, _, after = rest.partition(start)
-        content.append(before)
-        if end and end in after:
-            body, _, rest = after.partition(end)
-        else:
-            body, rest = after, ""
-        call_id = f"call_{uuid.uuid4().hex[:24]}"
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCallEvent:
+    """A complete (or, at the end of the output, unterminated) tool call."""
+
+    index: int
+    id: str
+    name: Optional[str]
+    args: str  # JSON text of the arguments; not JSON when the call was malformed
+    error: Optional[str] = None
+
+
+class _Channel:
+    """Text of one kind; drops whitespace next to removed markup, keeps the rest."""
+
+    def __init__(self, strip_start: bool = False):
+        self.held = ""  # trailing whitespace, released when more text follows
+        self.strip_next = strip_start
+
+    def feed(self, text: str) -> str:
+        if self.strip_next:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self.strip_next = False
+        text = self.held + text
+        body = text.rstrip()
+        self.held = text[len(body):]
+        return body
+
+    def cut(self) -> None:
+        """Markup follows: drop held whitespace; strip what comes after it."""
+        self.held = ""
+        self.strip_next = True
+
+    def flush(self) -> str:
+        text, self.held = self.held, ""
+        return text
+
+
+@dataclass
+class OutputParser:
+    tokenizer: object = None
+    parse_tools: bool = False
+    tools: Optional[list] = None
+    in_reasoning: bool = False
+    events: list = field(default_factory=list)
+
+    def __post_init__(self):
+        tok = self.tokenizer
+        has_thinking = bool(getattr(tok, "has_thinking", False))
+        self.think_start = (getattr(tok, "think_start", None) if has_thinking else None) or THINK_START
+        self.think_end = (getattr(tok, "think_end", None) if has_thinking else None) or THINK_END
+        self.call_start = getattr(tok, "tool_call_start", None) if self.parse_tools else None
+        self.call_end = (getattr(tok, "tool_call_end", None) or "") if self.call_start else ""
+        self.parser = getattr(tok, "tool_parser", None)
+        self.pending = ""
+        self.state = "reasoning" if self.in_reasoning else "content"
+        self.channels = {"content": _Channel(), "reasoning": _Channel(strip_start=True)}
+        self.n_calls = 0
+
+    # events: ("content", text) | ("reasoning", text) | ("tool_call", ToolCallEvent)
+
+    def _emit(self, kind: str, text: str, out: list) -> None:
+        text = self.channels[kind].feed(text)
+        if text:
+            out.append((kind, text))
+
+    @staticmethod
+    def _partial_suffix(text: str, markers) -> int:
+        """Length of the longest end of `text` that begins one of the markers."""
+        keep = 0
+        for marker in markers:
+            for n in range(min(len(marker) - 1, len(text)), 0, -1):
+                if text.endswith(marker[:n]):
+                    keep = max(keep, n)
+                    break
+        return keep
+
+    def _call(self, body: str, out: list) -> None:
+        index, call_id = self.n_calls, new_call_id()
         try:
-            parsed = parser(body, tools)
-            for item in parsed if isinstance(parsed, list) else [parsed]:
+            parsed = self.parser(body, self.tools)
+            items = parsed if isinstance(parsed, list) else [parsed]
+            for item in items:
                 arguments = item.get("arguments", {})
                 if isinstance(arguments, str):
                     arguments = json.loads(arguments)
-                calls.append({"name": item["name"], "args": arguments, "id": call_id,
-                              "type": "tool_call"})
-                call_id = f"call_{uuid.uuid4().hex[:24]}"
-        except Exception as error:
-            invalid.append({"name": None, "args": body, "id": call_id, "error": str(error),
-                            "type": "invalid_tool_call"})
-    content.append(rest)
+                if not isinstance(item.get("name"), str) or not isinstance(arguments, dict):
+                    raise ValueError("a tool call needs a name and an arguments object")
+                out.append(("tool_call", ToolCallEvent(self.n_calls, call_id, item["name"],
+                                                       json.dumps(arguments, ensure_ascii=False))))
+                self.n_calls += 1
+                call_id = new_call_id()
+        except Exception as error:  # malformed call: reported as an invalid tool call
+            out.append(("tool_call", ToolCallEvent(index, call_id, None, body.strip(),
+                                                   f"{type(error).__name__}: {error}")))
+            self.n_calls = index + 1
+
+    def feed(self, text: str) -> list:
+        out: list = []
+        self.pending += text
+        while self.pending:
+            if self.state == "call":
+                end = self.pending.find(self.call_end) if self.call_end else -1
+                if end < 0:
+                    break
+                body = self.pending[:end]
+                self.pending = self.pending[end + len(self.call_end):]
+                self._call(body, out)
+                self.state = "content"
+                self.channels["content"].cut()
+                continue
+            if self.state == "reasoning":
+                markers = [self.think_end]
+            else:
+                markers = [self.think_start] + ([self.call_start] if self.call_start else [])
+            hits = [(self.pending.find(m), m) for m in markers if m in self.pending]
+            if hits:
+                position, marker = min(hits)
+                self._emit(self.state, self.pending[:position], out)
+                self.channels[self.state].cut()
+                self.pending = self.pending[position + len(marker):]
+                if marker == self.think_end:
+                    self.state = "content"
+                    self.channels["content"].cut()
+                elif marker == self.think_start:
+                    self.state = "reasoning"
+                else:
+                    self.state = "call"
+                continue
+            keep = self._partial_suffix(self.pending, markers)
+            safe, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+            self._emit(self.state, safe, out)
+            break
+        return out
+
+    def finish(self) -> list:
+        """End of output: what was held back (an unterminated call is parsed as is)."""
+        out: list = []
+        rest, self.pending = self.pending, ""
+        if self.state == "call":
+            self._call(rest, out)
+        elif rest:
+            self._emit(self.state, rest, out)
+        for kind in ("reasoning", "content"):
+            if self.state == kind:
+                tail = self.channels[kind].flush()
+                if tail:
+                    out.append((kind, tail))
+        return out
+
+
+def split_tool_calls(text: str, tokenizer, tools: Optional[list] = None) -> tuple[str, list, list]:
+    """Whole-text form: (content without the calls, tool_calls, invalid_tool_calls)."""
+    parser = OutputParser(tokenizer, parse_tools=True, tools=tools)
+    content, calls, invalid = [], [], []
+    for kind, value in parser.feed(text) + parser.finish():
+        if kind == "content":
+            content.append(value)
+        elif kind == "reasoning":
+            content.append(f"{parser.think_start}{value}{parser.think_end}")
+        elif value.error is None:
+            calls.append({"name": value.name, "args": json.loads(value.args), "id": value.id,
+                          "type": "tool_call"})
+        else:
+            invalid.append({"name": value.name, "args": value.args, "id": value.id,
+                            "error": value.error, "type": "invalid_tool_call"})
     return "".join(content).strip(), calls, invalid

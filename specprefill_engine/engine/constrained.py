@@ -22,7 +22,7 @@ Formats:
 - `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}` (OpenAI
   style), or `{"type": "json_schema", "schema": {...}}`.
 - `{"type": "tool_call", "tools": [OpenAI tool dicts], "tool_choice": ...,
-  "parallel_tool_calls": True}`: Qwen / Hermes markup,
+  "parallel_tool_calls": False}`: Qwen / Hermes markup,
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, the arguments
   matching the tool's parameters. tool_choice "auto" (free text, and any call the
   model starts is a valid one), "required" (alias "any": one or more calls, nothing
@@ -141,7 +141,7 @@ def check_response_format(response_format) -> dict:
     if kind == "tool_call":
         tools = _check_tools(response_format.get("tools"))
         names = [t["function"]["name"] for t in tools]
-        parallel = response_format.get("parallel_tool_calls", True)
+        parallel = response_format.get("parallel_tool_calls", False)
         if not isinstance(parallel, bool):
             _fail("parallel_tool_calls must be True or False", TypeError)
         return {"type": "tool_call", "tools": tools, "parallel_tool_calls": parallel,
