@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from .adapters import AttentionSite, UnsupportedModelError, attention_sites, sees_whole_prompt
+from .prefill import chunked_prefill
 
 CancelCheck = Optional[Callable[[], None]]
 
@@ -134,9 +135,7 @@ def score_steps(
     sites = _scored_sites(draft_model, prompt_length, cache)
     done = 0
     total = -(-(prompt_length - 1) // step_size) + n_lookahead + len(sites)
-    for start in range(0, prompt_length - 1, step_size):
-        draft_model(tokens[start : min(start + step_size, prompt_length - 1)][None], cache=cache)
-        mx.eval([c.state for c in cache])
+    for _ in chunked_prefill(draft_model, tokens[:-1], cache, step_size, want_logits=False):
         done += 1
         yield done, total
 
@@ -171,8 +170,6 @@ def score_steps(
         mx.eval(importance)
         done += 1
         yield done, total
-    del cache, queries
-    mx.clear_cache()
     return importance.mean(axis=0)
 
 
@@ -198,8 +195,8 @@ def score_tokens(
 ) -> mx.array:
     """Importance of every prompt token, shape (M,), float32.
 
-    Lookahead is greedy unless `temperature` > 0. The draft's cache is freed
-    before returning. `cancel_check()` runs between prefill chunks, lookahead
+    Lookahead is greedy unless `temperature` > 0. The draft's cache is dropped
+    on return (MLX's buffer cache keeps the memory for the next request). `cancel_check()` runs between prefill chunks, lookahead
     steps and layers, and may raise to abort.
     """
     steps = score_steps(draft_model, tokens, n_lookahead, pool_kernel, step_size, temperature)

@@ -6,7 +6,7 @@ causal mask in kept-token space is the right one; RoPE gets the true positions f
 same wrappers, until `cleanup_rope`.
 """
 
-from typing import Generator, Optional
+from typing import Generator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -16,7 +16,8 @@ from .adapters import (
     check_sparse_prefill_supported, first_attention_cache, rope_owners, sliding_window,
     takes_position_ids,
 )
-from .positions import install_rope, position_runs, positioned_rope
+from .positions import install_rope
+from .prefill import chunked_prefill
 from .scoring import CancelCheck, run_steps
 
 
@@ -44,11 +45,6 @@ def decode_shift(model: nn.Module, cache, prompt_length: int, position_offset: i
     return position_offset + prompt_length - first_attention_cache(model, cache).offset
 
 
-def logits_of(output) -> mx.array:
-    """mlx-lm models return logits; mlx-vlm language models an object holding them."""
-    return output if isinstance(output, mx.array) else output.logits
-
-
 def cover_sliding_window(selected, cache, prompt_length: int, position_offset: int = 0):
     """Add the prompt's last window of tokens when sliding-window layers cannot see
     the whole sequence, so decode attends to the same recent tokens as dense would."""
@@ -69,28 +65,16 @@ def sparse_prefill_steps(
 ) -> Generator[tuple, None, tuple[mx.array, int]]:
     """Prefill one chunk per iteration, yielding (kept tokens done, kept tokens).
 
-    Returns (logits of the last prompt token, decode shift). The model is unwrapped
-    between chunks, so other requests may run on it in between.
+    Returns (logits of the last prompt token, shape (1, 1, vocab); decode shift).
+    The model is unwrapped between chunks, so other requests may run on it in between.
     """
     check_sparse_prefill_supported(model)
     tokens, kept = _validated(tokens, selected)
     kept = cover_sliding_window(kept, cache, tokens.size, position_offset)
-    explicit = takes_position_ids(model)
-    for start in range(0, kept.size, step_size):
-        chunk = kept[start : start + step_size]
-        inputs = tokens[mx.array(chunk)][None]
-        if explicit:  # text tokens: one position row, as the model lays out its own
-            positions = mx.array(chunk + position_offset, dtype=mx.int32)[None]
-            with positioned_rope(model):
-                output = model(inputs, cache=cache, position_ids=positions)
-        else:
-            with positioned_rope(model, runs=position_runs(chunk + position_offset)):
-                output = model(inputs, cache=cache)
-        logits = logits_of(output)[:, -1, :]
-        mx.eval(logits, [c.state for c in cache])
-        yield start + chunk.size, kept.size
-    shift = decode_shift(model, cache, tokens.size, position_offset)
-    return logits, shift
+    logits = yield from chunked_prefill(
+        model, tokens[mx.array(kept)], cache, step_size, positions=kept + position_offset
+    )
+    return logits, decode_shift(model, cache, tokens.size, position_offset)
 
 
 def sparse_prefill(
@@ -102,7 +86,7 @@ def sparse_prefill(
     position_offset: int = 0,
     cancel_check: CancelCheck = None,
 ) -> mx.array:
-    """Run the kept tokens through `model` and return the last token's logits.
+    """Run the kept tokens through `model`; the last token's logits, (1, 1, vocab).
 
     Leaves the model's RoPE shifted so that plain `model(y, cache=cache)` calls
     decode at M + position_offset onwards; call `cleanup_rope(model)` when done.

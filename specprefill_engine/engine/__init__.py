@@ -2,8 +2,9 @@
 
 from .engine import Engine
 from .results import Chunk, Result, SpecPrefillReport, Timings, Usage
-from .runtime import EngineConfig
+from .runtime import EngineConfig, EngineInfo
 from .sampling import SamplingParams
+from .scheduler import EngineFailedError
 
-__all__ = ["Chunk", "Engine", "EngineConfig", "Result", "SamplingParams", "SpecPrefillReport",
-           "Timings", "Usage"]
+__all__ = ["Chunk", "Engine", "EngineConfig", "EngineFailedError", "EngineInfo", "Result",
+           "SamplingParams", "SpecPrefillReport", "Timings", "Usage"]

@@ -1,49 +1,78 @@
 """The async API: `Engine.generate`, `Engine.stream`, `Engine.abort`, and a sync facade.
 
-Callers in any thread or event loop submit requests; the worker thread does the
-MLX work and sends each event back through the caller's own loop
-(`call_soon_threadsafe`) or, for sync callers, a plain queue.
+Callers in any thread or event loop submit requests; the worker thread (see
+`scheduler.py`) does the MLX work and sends each event back through the caller's
+own loop (`call_soon_threadsafe`) or, for sync callers, a plain queue. Tokenizing
+and chat templating run off the event loop, in a thread of asyncio's pool.
 """
 
 import asyncio
 import itertools
+import logging
+import math
 import queue
 import threading
-import time
+import weakref
 from typing import AsyncIterator, Callable, Iterator, Optional, Union
 
 import numpy as np
 
 from ..loading import DEMO_DRAFT, DEMO_TARGET, resolve_model_path
-from .request import Request
+from .output import OutputProcessor
 from .results import Chunk, Progress, Result
-from .runtime import EngineConfig, Runtime, load_runtime
+from .runtime import EngineConfig, EngineInfo, load_runtime
 from .sampling import SamplingParams
-from .worker import Worker
+from .scheduler import Scheduler
+from .state import RequestState
 
+logger = logging.getLogger(__name__)
 Prompt = Union[str, list]
+ROLES = ("system", "developer", "user", "assistant", "tool")
 _ids = itertools.count()
 
 
-def _prompt_tokens(prompt: Prompt, tokenizer, tools: Optional[list] = None) -> np.ndarray:
+def _check_text(text: str, name: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{name} is not valid text ({error.reason} at {error.start})") from None
+    return text
+
+
+def _check_messages(messages: list) -> list:
+    for index, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content", None)
+        if role not in ROLES:
+            raise ValueError(f"messages[{index}]['role'] must be one of {ROLES}, got {role!r}")
+        if content is None and not message.get("tool_calls"):
+            raise ValueError(f"messages[{index}]['content'] is missing or None")
+        if isinstance(content, str):
+            _check_text(content, f"messages[{index}]['content']")
+        elif content is not None and not isinstance(content, list):
+            raise TypeError(f"messages[{index}]['content'] must be a string or a list of parts, "
+                            f"got {type(content).__name__}")
+    return messages
+
+
+def prompt_tokens(prompt: Prompt, tokenizer, vocab_size: int, tools: Optional[list] = None,
+                  chat_template_kwargs: Optional[dict] = None) -> np.ndarray:
     """A string, chat messages ({"role", "content"} dicts), or token ids -> ids."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is empty")
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(_check_text(prompt, "prompt"))
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        for message in prompt:
-            if "role" not in message or "content" not in message:
-                raise ValueError("each chat message needs 'role' and 'content'")
-        kwargs = {"tools": tools} if tools else {}
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, **kwargs)
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
+        ids = tokenizer.apply_chat_template(_check_messages(list(prompt)),
+                                            add_generation_prompt=True, **kwargs)
     elif isinstance(prompt, (list, tuple)) and prompt and all(
         isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
     ):
         ids = list(prompt)
-        vocab = getattr(tokenizer, "vocab_size", None)
-        if any(t < 0 or (vocab and t >= vocab) for t in ids):
-            raise ValueError("token ids must be in [0, vocab_size)")
+        if any(t < 0 or t >= vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
     elif isinstance(prompt, (list, tuple)) and not prompt:
         raise ValueError("prompt is empty")
     else:
@@ -56,29 +85,36 @@ def _prompt_tokens(prompt: Prompt, tokenizer, tools: Optional[list] = None) -> n
     return np.asarray(ids, dtype=np.int32)
 
 
-class _Subscription:
-    """A caller's view of one request's events, shared by the async and sync APIs."""
+def _check_options(specprefill, keep, threshold, tools, on_progress, chat_template_kwargs):
+    if specprefill not in (None, True, False):
+        raise TypeError(f"specprefill must be None, True or False, got {specprefill!r}")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, (int, float))
+                             or not math.isfinite(keep) or not 0 < keep <= 1):
+        raise ValueError(f"keep must be in (0, 1], got {keep!r}")
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int)
+                                  or threshold < 1):
+        raise ValueError(f"threshold must be an integer >= 1, got {threshold!r}")
+    if tools is not None and not (isinstance(tools, (list, tuple))
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise TypeError("tools must be a list of tool schemas (dicts)")
+    if on_progress is not None and not callable(on_progress):
+        raise TypeError("on_progress must be callable")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise TypeError("chat_template_kwargs must be a dict")
 
-    def __init__(self, engine: "Engine", request: Request, on_progress: Optional[Callable]):
-        self.engine, self.request, self.on_progress = engine, request, on_progress
-        self.finished = False
 
-    def take(self, event):
-        """The event for the caller, None for progress; raises a worker-side error."""
-        if isinstance(event, BaseException):
-            self.finished = True
-            raise event
-        if isinstance(event, Progress):
-            self.on_progress(event)
-            return None
-        self.finished = isinstance(event, Result)
-        return event
+def _make_constraint(tokenizer, response_format: dict):
+    from .constrained import make_constraint
 
-    def close(self) -> None:
-        """Abort the request unless it finished; forget it either way."""
-        if not self.finished:
-            self.request.cancelled.set()
-        self.engine._requests.pop(self.request.id, None)
+    return make_constraint(tokenizer, response_format)
+
+
+def _stop_worker(scheduler: Scheduler, timeout: float) -> None:
+    """Stop and join a worker; also run at interpreter exit or when the Engine is
+    collected, so no MLX work is cut off mid-call (which aborts the process)."""
+    scheduler.stop()
+    if scheduler.thread.is_alive():
+        scheduler.thread.join(timeout)
 
 
 class Engine:
@@ -87,7 +123,8 @@ class Engine:
     `model` and `draft` are local paths or Hugging Face ids; with neither given,
     the bundled demo pair is used. With a `model` but no `draft`, requests prefill
     densely. Models load on the worker when the engine starts (`async with`,
-    `await engine.start()`, or the first request).
+    `await engine.start()`, or the first request). Settings are `EngineConfig`
+    fields (e.g. `max_batch_size`, `kv_cache_bytes`, `step_size`).
     """
 
     def __init__(
@@ -104,26 +141,24 @@ class Engine:
         self.model_path = resolve_model_path(model, DEMO_TARGET)
         use_draft = draft is not None or model is None
         self.draft_path = resolve_model_path(draft, DEMO_DRAFT) if use_draft else None
-        self._worker = Worker(
-            lambda: load_runtime(self.model_path, self.draft_path, self.config, dtype)
-        )
+        paths, settings = (self.model_path, self.draft_path), self.config
+        self._scheduler = Scheduler(lambda: load_runtime(*paths, settings, dtype), _make_constraint)
         self._start_lock = threading.Lock()
         self._started = False
-        self._closed = False
-        self._requests: dict = {}
+        self._finalizer = weakref.finalize(self, _stop_worker, self._scheduler, 30.0)
 
     # lifecycle -----------------------------------------------------------------
 
     def _ensure_started(self):
         with self._start_lock:
-            if self._closed:
-                raise RuntimeError("the engine is shut down")
+            self._scheduler.check_open()
             if not self._started:
-                self._worker.start()
+                self._scheduler.thread.start()
                 self._started = True
-        return self._worker.ready
+        return self._scheduler.ready
 
     async def start(self) -> "Engine":
+        # the ready future cannot be cancelled: a caller's cancellation ends its own wait only
         await asyncio.wrap_future(self._ensure_started())
         return self
 
@@ -132,26 +167,26 @@ class Engine:
         return self
 
     @property
-    def runtime(self) -> Runtime:
-        """The loaded models (valid once started); the tokenizer is safe to use anywhere."""
+    def info(self) -> EngineInfo:
+        """Tokenizer, context length, batching support (blocks until loaded)."""
         return self._ensure_started().result()
 
     @property
     def tokenizer(self):
-        return self.runtime.tokenizer
+        """The target's tokenizer (mlx-lm TokenizerWrapper); safe to use from any thread."""
+        return self.info.tokenizer
 
     def shutdown_sync(self, timeout: float = 30.0) -> None:
+        """Abort in-flight and queued requests (they end with finish_reason "abort"),
+        stop the worker, which frees the models on its own thread."""
         with self._start_lock:
-            self._closed = True
             started = self._started
-        for request in list(self._requests.values()):
-            request.cancelled.set()
+            self._scheduler.stop()
         if started:
-            self._worker.stop()
-            self._worker.thread.join(timeout)
+            self._finalizer.detach()
+            _stop_worker(self._scheduler, timeout)
 
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort in-flight requests and stop the worker thread."""
         await asyncio.to_thread(self.shutdown_sync, timeout)
 
     async def __aenter__(self) -> "Engine":
@@ -170,68 +205,95 @@ class Engine:
 
     @property
     def active_request_ids(self) -> list:
-        """Ids of the requests the worker is working on now (queued ones not counted)."""
-        return [request.id for request, _ in list(self._worker.active)]
+        """Ids of the requests submitted and not yet finished (queued ones included)."""
+        return list(self._scheduler.requests)
 
     def abort(self, request_id: str) -> bool:
         """Ask the worker to stop a request; it ends with finish_reason 'abort'."""
-        request = self._requests.get(request_id)
-        if request is not None:
-            request.cancelled.set()
-        return request is not None
+        state = self._scheduler.requests.get(request_id)
+        if state is not None:
+            state.cancelled.set()
+        return state is not None
 
-    def _submit(self, prompt: Prompt, emit: Callable, stream: bool, *, specprefill=None,
-                keep=None, tools=None, request_id=None, on_progress=None,
-                **sampling) -> Request:
-        runtime = self.runtime
+    def _prepare(self, prompt: Prompt, emit: Callable, stream: bool, *, specprefill=None,
+                 keep=None, threshold=None, tools=None, request_id=None, on_progress=None,
+                 response_format=None, chat_template_kwargs=None, **sampling) -> RequestState:
+        """Validate and tokenize on the caller's side; the worker gets a ready state."""
+        info = self.info
         params = SamplingParams(**sampling)
-        if specprefill not in (None, True, False):
-            raise TypeError("specprefill must be None, True or False")
-        if keep is not None and not (isinstance(keep, (int, float)) and 0 < keep <= 1):
-            raise ValueError(f"keep must be in (0, 1], got {keep!r}")
-        tokens = _prompt_tokens(prompt, runtime.tokenizer, tools)
-        if runtime.context_length and tokens.size > runtime.context_length:
-            raise ValueError(
-                f"prompt is {tokens.size} tokens, longer than the model's context of "
-                f"{runtime.context_length}"
-            )
+        _check_options(specprefill, keep, threshold, tools, on_progress, chat_template_kwargs)
+        if request_id is not None and not (isinstance(request_id, str) and request_id):
+            raise TypeError("request_id must be a non-empty string")
+        if response_format is not None:
+            from .constrained import check_response_format
+
+            response_format = check_response_format(response_format)
+        tokens = prompt_tokens(prompt, info.tokenizer, info.vocab_size, tools,
+                               chat_template_kwargs)
+        max_tokens, warnings = params.max_tokens, []
+        if info.context_length:
+            room = info.context_length - tokens.size
+            if room < 1:
+                raise ValueError(f"prompt is {tokens.size} tokens, longer than the model's "
+                                 f"context of {info.context_length} (no room to generate)")
+            if max_tokens > room:
+                warnings.append(f"max_tokens clamped from {max_tokens} to {room}: prompt "
+                                f"{tokens.size} + max_tokens must fit the context of "
+                                f"{info.context_length}")
+                max_tokens = room
         request_id = request_id or f"req-{next(_ids)}"
-        if on_progress is not None and not callable(on_progress):
-            raise TypeError("on_progress must be callable")
-        request = Request(request_id, tokens, params, emit, specprefill, keep, stream,
-                          progress=on_progress is not None, submitted=time.perf_counter())
-        self._requests[request_id] = request
-        self._worker.submit(request)
-        return request
+        output = OutputProcessor(request_id, params, max_tokens, info.tokenizer, stream, emit)
+        return RequestState(
+            request_id, tokens, params, emit, specprefill,
+            self.config.keep if keep is None else keep,
+            self.config.threshold if threshold is None else threshold,
+            stream, on_progress is not None, response_format, max_tokens, warnings,
+            output=output,
+        )
+
+    @staticmethod
+    def _receive(event, on_progress):
+        """The event for the caller, None for progress; raises a worker-side error."""
+        if isinstance(event, BaseException):
+            raise event
+        if isinstance(event, Progress):
+            on_progress(event)
+            return None
+        return event
 
     async def _events(self, prompt: Prompt, stream: bool, kwargs: dict) -> AsyncIterator:
         await self.start()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+        state: Optional[RequestState] = None
 
         def emit(event):
             try:
                 loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # the caller's loop is gone: stop working for it
-                request.cancelled.set()
+                if state is not None:
+                    state.cancelled.set()
 
-        request = self._submit(prompt, emit, stream, **kwargs)
-        subscription = _Subscription(self, request, kwargs.get("on_progress"))
+        state = await asyncio.to_thread(self._prepare, prompt, emit, stream, **kwargs)
+        self._scheduler.submit(state)
         try:
-            while not subscription.finished:
-                event = subscription.take(await events.get())
+            while True:
+                event = self._receive(await events.get(), kwargs.get("on_progress"))
                 if event is not None:
                     yield event
+                    if isinstance(event, Result):
+                        return
         finally:
-            subscription.close()
+            state.cancelled.set()  # a no-op once it has finished
 
     async def generate(self, prompt: Prompt, **kwargs) -> Result:
         """Run a request to the end. Cancelling the awaiting task aborts it.
 
         Keyword arguments: the SamplingParams fields (max_tokens, temperature, top_p,
         top_k, min_p, repetition_penalty, seed, stop, stop_token_ids), `specprefill`
-        (None: engine policy), `keep`, `tools` (passed to the chat template),
-        `request_id`, and `on_progress(Progress)` for the scoring and prefill phases.
+        (None: engine policy), `keep`, `threshold`, `tools` and `chat_template_kwargs`
+        (passed to the chat template), `response_format` (constrained decoding, see
+        `constrained.py`), `request_id`, and `on_progress(Progress)`.
         """
         events = self._events(prompt, False, kwargs)
         try:
@@ -240,6 +302,7 @@ class Engine:
                     return event
         finally:
             await events.aclose()
+        raise RuntimeError("request ended without a result")
 
     async def stream(self, prompt: Prompt, **kwargs) -> AsyncIterator[Chunk]:
         """Yield text chunks; the last carries finish_reason, usage and timings.
@@ -259,15 +322,17 @@ class Engine:
     def _sync_events(self, prompt: Prompt, stream: bool, kwargs: dict) -> Iterator:
         self.start_sync()
         events: "queue.Queue" = queue.Queue()
-        request = self._submit(prompt, events.put, stream, **kwargs)
-        subscription = _Subscription(self, request, kwargs.get("on_progress"))
+        state = self._prepare(prompt, events.put, stream, **kwargs)
+        self._scheduler.submit(state)
         try:
-            while not subscription.finished:
-                event = subscription.take(events.get())
+            while True:
+                event = self._receive(events.get(), kwargs.get("on_progress"))
                 if event is not None:
                     yield event
+                    if isinstance(event, Result):
+                        return
         finally:
-            subscription.close()
+            state.cancelled.set()
 
     def generate_sync(self, prompt: Prompt, **kwargs) -> Result:
         for event in self._sync_events(prompt, False, kwargs):

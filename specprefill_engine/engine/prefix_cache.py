@@ -45,20 +45,24 @@ class PrefixCache:
         self.entries.move_to_end(best_key)
         _, states, _ = self.entries[best_key]
         for layer, (keys, values) in zip(cache, states):
-            layer.state = (keys[..., :best_length, :], values[..., :best_length, :], best_length)
+            layer.keys, layer.values = keys[..., :best_length, :], values[..., :best_length, :]
+            layer.offset = best_length
         return cache, best_length
 
     def store(self, tokens: np.ndarray, cache: list) -> None:
-        """Keep the first len(tokens) positions of a dense cache."""
+        """Keep the first len(tokens) positions of a dense cache.
+
+        The size is known from the shapes, so an entry over the budget is refused
+        before anything is copied."""
         if not reusable(cache) or tokens.size == 0:
             return
         length = tokens.size
         states = [(c.keys[..., :length, :], c.values[..., :length, :]) for c in cache]
-        states = [(mx.contiguous(k), mx.contiguous(v)) for k, v in states]
-        mx.eval(states)
         size = sum(k.nbytes + v.nbytes for k, v in states)
         if size > self.max_bytes:
             return
+        states = [(mx.contiguous(k), mx.contiguous(v)) for k, v in states]
+        mx.eval(states)
         for key, (stored, _, _) in list(self.entries.items()):
             if stored.size <= length and np.array_equal(stored, tokens[: stored.size]):
                 self._drop(key)  # the new entry covers this one

@@ -1,6 +1,6 @@
 """What a request gives back: stream chunks and the final result."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 
@@ -24,11 +24,15 @@ class Timings:
 
 @dataclass
 class SpecPrefillReport:
+    """Whether SpecPrefill ran and why; whether the request decoded in the shared batch."""
+
     engaged: bool = False
     reason: str = ""
     kept_tokens: int = 0
     total_tokens: int = 0
     keep: float = 1.0
+    batched: bool = False
+    batch_reason: str = ""
 
 
 @dataclass
@@ -62,3 +66,5 @@ class Result:
     timings: Timings
     specprefill: SpecPrefillReport
     request_id: str = ""
+    warnings: list = field(default_factory=list)
+    """What the engine changed about the request, e.g. a max_tokens clamped to the context."""

@@ -1,17 +1,29 @@
 """Everything the worker thread owns: models, tokenizer, scorer, prefix cache."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import DraftScorer, Scorer
 from ..loading import check_same_tokenizer, load_model
+from .batch import batching_support
+
+
+def default_step_size() -> int:
+    """Tokens per unit of prefill work: a unit must take well under a second so
+    decoding streams keep flowing (on this project's 2-core CPU a 128-token chunk of
+    the demo target at 8K context takes about 0.4 s); a GPU wants large chunks."""
+    return 128 if mx.default_device() == mx.cpu else 2048
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine-wide settings; `keep` and `specprefill` can be overridden per request."""
+    """Engine-wide settings; `keep`, `threshold` and `specprefill` can be overridden
+    per request. `step_size` None picks `default_step_size()` on the worker;
+    `kv_cache_bytes` None puts no byte limit on admitted requests' KV."""
 
     keep: float = 0.3
     threshold: int = 1024
@@ -20,23 +32,49 @@ class EngineConfig:
     backbone_pct: float = 0.0
     n_lookahead: int = 8
     pool_kernel: int = 13
-    step_size: int = 2048
+    step_size: Optional[int] = None
     prefix_cache_bytes: int = 1 << 30
+    max_batch_size: int = 32
+    kv_cache_bytes: Optional[int] = None
 
     def __post_init__(self):
-        if not 0 < self.keep <= 1:
+        if not (isinstance(self.keep, (int, float)) and 0 < self.keep <= 1):
             raise ValueError(f"keep must be in (0, 1], got {self.keep!r}")
-        if self.threshold < 1 or self.step_size < 1 or self.chunk_size < 1:
-            raise ValueError("threshold, step_size and chunk_size must be >= 1")
+        for name in ("threshold", "chunk_size", "max_batch_size", "n_lookahead"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("step_size", "kv_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
 
 
 @dataclass
 class Runtime:
+    """Owned by the worker thread; never handed to other threads."""
+
     model: nn.Module
     tokenizer: object
     scorer: Optional[Scorer]
     config: EngineConfig
     context_length: Optional[int]
+    batch_reason: str  # why requests cannot share a batched decode; "" when they can
+    kv_bytes_per_token: int
+    vocab_size: int  # token ids a prompt may hold: the embedding's rows
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What callers may know of a started engine (no models: those stay on the worker)."""
+
+    tokenizer: object
+    context_length: Optional[int]
+    batching: bool
+    batch_reason: str
+    step_size: int
+    vocab_size: int
 
 
 def context_length_of(model: nn.Module) -> Optional[int]:
@@ -48,16 +86,40 @@ def context_length_of(model: nn.Module) -> Optional[int]:
     return None
 
 
+def vocab_size_of(model: nn.Module, tokenizer) -> int:
+    """The embedding's size (it counts added tokens, which `tokenizer.vocab_size`
+    leaves out), else the tokenizer's full length."""
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    return len(tokenizer._tokenizer)
+
+
+def kv_bytes_per_token(model: nn.Module) -> int:
+    """KV bytes one token adds across all layers, from one probe token's cache."""
+    cache = make_prompt_cache(model)
+    model(mx.array([[1]]), cache=cache)
+    total = 0
+    for layer in cache:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if isinstance(keys, mx.array) and isinstance(values, mx.array):
+            total += (keys.nbytes + values.nbytes) // max(keys.shape[2], 1)
+    return total
+
+
 def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfig,
                  dtype="auto") -> Runtime:
     """Load on the calling thread, which must be the engine's worker.
 
     Paths are already resolved; without a draft every request prefills densely.
     """
+    if config.step_size is None:
+        config = replace(config, step_size=default_step_size())
     model, tokenizer = load_model(model_path, dtype=dtype)
     scorer = None
     if draft_path is not None:
         draft, draft_tokenizer = load_model(draft_path, dtype=dtype)
         check_same_tokenizer(tokenizer, draft_tokenizer)
         scorer = DraftScorer(draft, config.n_lookahead, config.pool_kernel, config.step_size)
-    return Runtime(model, tokenizer, scorer, config, context_length_of(model))
+    return Runtime(model, tokenizer, scorer, config, context_length_of(model),
+                   batching_support(model), kv_bytes_per_token(model), vocab_size_of(model, tokenizer))

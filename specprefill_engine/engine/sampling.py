@@ -1,11 +1,35 @@
-"""Sampling parameters, the sampler they make, and stop-string matching."""
+"""Sampling parameters (validated where the caller is), per-request samplers and
+logits processors, built on mlx-lm's sampling filters."""
 
-
+import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+# processor(generated tokens of this request (1-D int32), logits (1, vocab)) -> logits
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+def _number(name: str, value, low: float, high: float, *, low_open=False, high_open=False):
+    """A finite real number in the range, else a ValueError/TypeError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    ok = math.isfinite(value) and (value > low if low_open else value >= low) and (
+        value < high if high_open else value <= high)
+    if not ok:
+        bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be in {bounds}, got {value!r}")
+    return value
+
+
+def _integer(name: str, value, low: int):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -21,27 +45,40 @@ class SamplingParams:
     stop_token_ids: tuple = ()
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < 0 or not 0 <= self.min_p < 1:
-            raise ValueError("top_k must be >= 0 and min_p in [0, 1)")
-        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
-            raise ValueError("repetition_penalty must be > 0")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be a list of non-empty strings")
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _integer("max_tokens", self.max_tokens, 1)
+        _number("temperature", self.temperature, 0, math.inf, high_open=True)
+        _number("top_p", self.top_p, 0, 1, low_open=True)
+        _integer("top_k", self.top_k, 0)
+        _number("min_p", self.min_p, 0, 1, high_open=True)
+        if self.repetition_penalty is not None:
+            _number("repetition_penalty", self.repetition_penalty, 0, math.inf,
+                    low_open=True, high_open=True)
+        if self.seed is not None and not 0 <= _integer("seed", self.seed, 0) < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed!r}")
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
+        if not all(stop):
+            raise ValueError("stop strings must not be empty")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"stop_token_ids must be a list of integers, got {ids!r}")
+        object.__setattr__(
+            self, "stop_token_ids", tuple(_integer("stop_token_ids", t, 0) for t in ids)
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
-def make_sampler(params: SamplingParams):
-    """Greedy at temperature 0; else mlx-lm's filters and a per-request PRNG key."""
-    if params.temperature == 0:
+def make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """Greedy at temperature 0; else mlx-lm's filters and the request's own PRNG key,
+    so a seeded request samples the same tokens alone or in a batch."""
+    if params.greedy:
         return lambda logprobs: mx.argmax(logprobs, axis=-1)
     key = [mx.random.key(params.seed)] if params.seed is not None else None
 
@@ -60,13 +97,15 @@ def make_sampler(params: SamplingParams):
     return sample
 
 
-def make_processors(params: SamplingParams, prompt_tail: Sequence[int]):
-    """mlx-lm logits processors that also see the prompt's last tokens."""
+def make_processors(params: SamplingParams, prompt_tail: Sequence[int]) -> list:
+    """mlx-lm's repetition penalty, seeing the prompt's last tokens too."""
     if params.repetition_penalty is None:
-        return None
-    processors = make_logits_processors(repetition_penalty=params.repetition_penalty)
+        return []
     tail = mx.array(list(prompt_tail), dtype=mx.int32)
-    return [lambda tokens, logits, p=p: p(mx.concatenate([tail, tokens]), logits) for p in processors]
+    return [
+        lambda generated, logits, p=p: p(mx.concatenate([tail, generated]), logits)
+        for p in make_logits_processors(repetition_penalty=params.repetition_penalty)
+    ]
 
 
 class StopMatcher:
@@ -91,9 +130,3 @@ class StopMatcher:
                     break
         self.held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False
-
-    def flush(self) -> str:
-        text, self.held = self.held, ""
-        return text
-
-

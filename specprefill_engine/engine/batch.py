@@ -1,0 +1,165 @@
+"""Decoding requests together: one forward per step over mlx-lm's batch caches.
+
+A row joins with its own prompt cache, turned into a batch of one by the cache
+class's `merge` and appended with `extend` (left padding aligns rows of different
+lengths); it leaves through `filter`. Positions are data: a batch cache keeps a
+per-row `offset`, which only RoPE reads, apart from the shared write index and
+each row's left padding, which the mask reads. A SpecPrefill row holds N + t
+entries yet must decode at position M + t, so its offset moves by M - N when it
+joins; no wrapper is put on the model.
+
+Steps are pipelined as in mlx-lm's `generate_step`: the next forward is queued
+before the tokens of the previous one are read back.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, make_prompt_cache
+
+from ..core import positioned_rope
+from ..core.adapters import takes_position_ids
+from ..core.prefill import logits_of
+from .state import RequestState
+
+POSITIONED_CACHES = (BatchKVCache, BatchRotatingKVCache)
+
+
+def sample_rows(rows: list, logits: mx.array) -> mx.array:
+    """(B, vocab) logits -> (B,) tokens: each row's processors, then its sampler."""
+    if any(row.processors for row in rows):
+        parts = []
+        for index, row in enumerate(rows):
+            row_logits = logits[index : index + 1]
+            if row.processors:
+                generated = mx.array(row.generated, dtype=mx.int32)
+                for processor in row.processors:
+                    row_logits = processor(generated, row_logits)
+            parts.append(row_logits)
+        logits = mx.concatenate(parts, axis=0)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if all(row.params.greedy for row in rows):
+        return mx.argmax(logprobs, axis=-1)
+    return mx.concatenate(
+        [row.sampler(logprobs[index : index + 1]) for index, row in enumerate(rows)], axis=0
+    )
+
+
+def as_batch_of_one(cache: list, shift: int) -> list:
+    """A request's prompt cache as batch caches, its positions moved by `shift`."""
+    merged = [type(layer).merge([layer]) for layer in cache]
+    if shift:
+        for layer in merged:
+            if isinstance(layer, POSITIONED_CACHES):
+                layer.offset = layer.offset + shift
+    return merged
+
+
+def batching_support(model: nn.Module) -> str:
+    """Why this model's requests cannot share a batched decode; "" when they can.
+
+    Decided by trying: two rows, one with moved positions, through one decode step.
+    """
+    if takes_position_ids(model):
+        return "mlx-vlm multi-axis RoPE: decode positions come from the model's rope-delta carrier"
+    cache = make_prompt_cache(model)
+    lacking = sorted({type(c).__name__ for c in cache if not hasattr(type(c), "merge")})
+    if lacking:
+        return f"caches that cannot be merged into a batch: {', '.join(lacking)}"
+    try:
+        rows = []
+        for shift in (0, 3):
+            row_cache = make_prompt_cache(model)
+            model(mx.array([[1, 2]]), cache=row_cache)
+            rows.append(as_batch_of_one(row_cache, shift))
+        for layer, other in zip(*rows):
+            layer.extend(other)
+        mx.eval(logits_of(model(mx.array([[1], [2]]), cache=rows[0])))
+    except Exception as error:  # a model whose layers cannot take per-row positions
+        return f"batched decode failed on this model: {type(error).__name__}: {error}"
+    return ""
+
+
+class DecodeBatch:
+    """The rows decoding together, their batch caches and their next input tokens."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.rows: list[RequestState] = []
+        self.cache: Optional[list] = None
+        self.inputs: Optional[mx.array] = None  # (B,) next tokens to feed, maybe not evaluated
+        self._known: list[bool] = []  # whether a row's input token was already handed out
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, row: RequestState, cache: list, first_token: int, shift: int) -> None:
+        """Join a row whose first token was already sampled and handed out."""
+        merged = as_batch_of_one(cache, shift)
+        token = mx.array([first_token], dtype=mx.uint32)
+        if self.cache is None:
+            self.cache, self.inputs = merged, token
+        else:
+            for layer, other in zip(self.cache, merged):
+                layer.extend(other)
+            self.inputs = mx.concatenate([self.inputs, token])
+        self.rows.append(row)
+        self._known.append(True)
+
+    def step(self) -> list[tuple[RequestState, int]]:
+        """Queue one forward for every row; return the tokens sampled by the previous
+        step, (row, token) for each row, now that they are needed."""
+        inputs = self.inputs
+        logits = logits_of(self.model(inputs[:, None], cache=self.cache))[:, -1, :]
+        produced = []
+        if any(row.processors for row in self.rows):
+            produced = self._read(inputs)  # processors see every token fed so far
+        self.inputs = sample_rows(self.rows, logits)
+        mx.async_eval(self.inputs)
+        if not produced:
+            produced = self._read(inputs)
+        self._known = [False] * len(self.rows)
+        return produced
+
+    def _read(self, inputs: mx.array) -> list:
+        produced = []
+        for row, known, token in zip(self.rows, self._known, inputs.tolist()):
+            if not known:
+                row.generated.append(token)
+                produced.append((row, token))
+        self._known = [True] * len(self.rows)
+        return produced
+
+    def remove(self, leaving: set) -> None:
+        """Drop rows (finished or aborted) and their cache rows."""
+        keep = [i for i, row in enumerate(self.rows) if row not in leaving]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        self._known = [self._known[i] for i in keep]
+        if not keep:
+            self.cache = self.inputs = None
+            return
+        indices = mx.array(keep, dtype=mx.int32)
+        for layer in self.cache:
+            layer.filter(indices)
+        self.inputs = self.inputs[indices]
+
+
+class SoloDecode:
+    """One row of a model whose caches cannot be batched: a forward per step, its
+    positions set for that call (the prefill's per-call handling) and cleared after."""
+
+    def __init__(self, model: nn.Module, row: RequestState, cache: list, first_token: int,
+                 shift: int):
+        self.model, self.row, self.cache, self.shift = model, row, cache, shift
+        self.rows = [row]
+        self.token = first_token
+
+    def step(self) -> list[tuple[RequestState, int]]:
+        with positioned_rope(self.model, shift=self.shift):
+            output = self.model(mx.array([[self.token]]), cache=self.cache)
+        self.token = sample_rows(self.rows, logits_of(output)[:, -1, :]).item()
+        self.row.generated.append(self.token)
+        return [(self.row, self.token)]

@@ -1,0 +1,294 @@
+"""The worker thread: it owns the models and every live request, and runs the loop.
+
+Since mlx 0.31 streams are thread-local, so loading, caches, prefill, decode and
+freeing all happen here. Each turn of the loop:
+1. takes new requests (blocking only when there is nothing to do) and ends
+   the ones whose callers aborted;
+2. advances the oldest admitted prefill by one unit of at most `step_size` tokens
+   (first come, first served: later arrivals never stretch an earlier TTFT);
+3. runs one batched decode step for every decoding request.
+So a decoding stream waits at most one prefill unit between two tokens. A request
+is admitted to prefill while fewer than `max_batch_size` requests are running and
+their reserved KV fits `kv_cache_bytes`; otherwise it waits in the queue.
+
+Every request ends with a Result or an error, whatever happens: submission and
+shutdown are ordered under one lock, requests still queued at shutdown end with
+finish_reason "abort", and if the thread fails every caller gets the error.
+"""
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Callable, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from .batch import DecodeBatch, SoloDecode, sample_rows
+from .prefill import prefill_steps
+from .prefix_cache import PrefixCache, reusable
+from .results import Progress
+from .runtime import EngineInfo, Runtime
+from .state import RequestState
+
+logger = logging.getLogger(__name__)
+_STOP = object()
+
+
+class EngineFailedError(RuntimeError):
+    """The engine's worker thread failed; the message carries the cause."""
+
+
+class Scheduler:
+    def __init__(self, load: Callable[[], Runtime], make_constraint: Optional[Callable] = None,
+                 name: str = "specprefill-worker"):
+        self._load = load
+        self._make_constraint = make_constraint
+        self._lock = threading.Lock()
+        self._inbox: "queue.Queue" = queue.Queue()
+        self.requests: dict[str, RequestState] = {}  # live requests by id, under the lock
+        self.ready: Future = Future()
+        self.ready.set_running_or_notify_cancel()  # nobody can cancel shared state
+        self.closed = False
+        self.failure: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        # worker-only state
+        self._waiting: deque = deque()
+        self._prefilling: Optional[RequestState] = None
+        self._decoding: list = []  # DecodeBatch and SoloDecode groups
+        self._reserved = 0
+
+    # caller side ---------------------------------------------------------------
+
+    def check_open(self) -> None:
+        if self.failure is not None:
+            raise EngineFailedError(f"the engine failed: {self.failure!r}") from self.failure
+        if self.closed:
+            raise RuntimeError("the engine is shut down")
+
+    def submit(self, state: RequestState) -> None:
+        with self._lock:
+            self.check_open()
+            if state.id in self.requests:
+                raise ValueError(f"request_id {state.id!r} is already in flight")
+            self.requests[state.id] = state
+            self._inbox.put(state)
+
+    def stop(self) -> None:
+        """Refuse new requests; the worker aborts what is left and exits."""
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._inbox.put(_STOP)
+
+    # worker side ---------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            runtime = self._load()
+        except BaseException as error:
+            self._fail(error)
+            self.ready.set_exception(error)
+            mx.clear_streams()
+            return
+        prefix_cache = None
+        if runtime.config.prefix_cache_bytes and reusable(make_prompt_cache(runtime.model)):
+            prefix_cache = PrefixCache(runtime.config.prefix_cache_bytes)
+        self.ready.set_result(EngineInfo(runtime.tokenizer, runtime.context_length,
+                                         not runtime.batch_reason, runtime.batch_reason,
+                                         runtime.config.step_size, runtime.vocab_size))
+        try:
+            while self._turn(runtime, prefix_cache):
+                pass
+        except BaseException as error:  # a defect in the loop: every caller hears of it
+            logger.exception("engine worker failed")
+            self._fail(error)
+        finally:
+            self._abort_all()
+            self._decoding.clear()
+            if prefix_cache is not None:
+                prefix_cache.clear()
+            del runtime, prefix_cache  # the models are freed here, on their own thread
+            mx.synchronize()
+            mx.clear_cache()
+            mx.clear_streams()  # a thread exiting with live MLX streams can abort the process
+
+    def _turn(self, runtime: Runtime, prefix_cache: Optional[PrefixCache]) -> bool:
+        busy = self._prefilling is not None or any(self._decoding)
+        if not self._take_new(block=not busy and not self._waiting):
+            return False
+        self._end_aborted()
+        if self._prefilling is None:
+            self._admit(runtime)
+        if self._prefilling is not None:
+            self._prefill_unit(runtime, prefix_cache)
+        for group in list(self._decoding):
+            self._decode_step(group)
+        self._decoding = [group for group in self._decoding if len(group.rows)]
+        return True
+
+    def _take_new(self, block: bool) -> bool:
+        """Move submitted requests to the waiting queue; False once told to stop."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            if item is _STOP:
+                return False
+            self._waiting.append(item)
+            block = False
+
+    def _end_aborted(self) -> None:
+        for state in [s for s in self._waiting if s.cancelled.is_set()]:
+            self._waiting.remove(state)
+            self._finish(state, "abort")
+        state = self._prefilling
+        if state is not None and state.cancelled.is_set():
+            if state.prefill is not None:
+                state.prefill.close()
+            self._prefilling = None
+            self._finish(state, "abort")
+        for group in self._decoding:
+            leaving = {row for row in group.rows if row.cancelled.is_set()}
+            if leaving:
+                self._leave(group, leaving, "abort")
+
+    def _admit(self, runtime: Runtime) -> None:
+        if not self._waiting:
+            return
+        state = self._waiting[0]
+        running = sum(len(group.rows) for group in self._decoding)
+        need = (state.tokens.size + state.max_tokens) * runtime.kv_bytes_per_token
+        budget = runtime.config.kv_cache_bytes
+        if running >= runtime.config.max_batch_size:
+            return
+        if budget is not None and running and self._reserved + need > budget:
+            return  # it waits; a request alone is always admitted
+        self._waiting.popleft()
+        state.reserved_bytes = need
+        self._reserved += need
+        state.start(runtime.tokenizer, self._make_constraint)
+        self._prefilling = state
+
+    def _prefill_unit(self, runtime: Runtime, prefix_cache: Optional[PrefixCache]) -> None:
+        state = self._prefilling
+        if state.prefill is None:
+            state.prefill = prefill_steps(state, runtime, prefix_cache)
+        try:
+            phase, done, total = next(state.prefill)
+        except StopIteration as finished:
+            self._prefilling = None
+            cache, logits, shift = finished.value
+            state.timings.prefill = time.perf_counter() - state.started - state.timings.scoring
+            self._first_token(runtime, state, cache, logits, shift)
+            return
+        except Exception as error:
+            self._prefilling = None
+            self._fail_request(state, error)
+            return
+        if state.progress:
+            state.emit(Progress(phase, done, total))
+
+    def _first_token(self, runtime: Runtime, state: RequestState, cache: list, logits,
+                     shift: int) -> None:
+        """Sample from the prefill's logits, hand the token out, then join a decode."""
+        try:
+            token = sample_rows([state], logits[:, -1, :]).item()
+        except Exception as error:
+            self._fail_request(state, error)
+            return
+        state.generated.append(token)
+        reason = state.output.accept(token)
+        if reason is not None:
+            self._finish(state, reason)
+            return
+        state.report.batched = not runtime.batch_reason
+        state.report.batch_reason = runtime.batch_reason or "decoding in the shared batch"
+        if runtime.batch_reason:
+            self._decoding.append(SoloDecode(runtime.model, state, cache, token, shift))
+            return
+        batch = next((g for g in self._decoding if isinstance(g, DecodeBatch)), None)
+        if batch is None:
+            batch = DecodeBatch(runtime.model)
+            self._decoding.append(batch)
+        batch.add(state, cache, token, shift)
+
+    def _decode_step(self, group) -> None:
+        try:
+            produced = group.step()
+        except Exception as error:  # e.g. out of memory: these rows fail, the engine goes on
+            for row in list(group.rows):
+                self._fail_request(row, error)
+            group.rows.clear()
+            return
+        finished = {}
+        for row, token in produced:
+            reason = row.output.accept(token)
+            if reason is not None:
+                finished[row] = reason
+        for row, reason in finished.items():
+            self._leave(group, {row}, reason)
+
+    def _leave(self, group, rows: set, reason: str) -> None:
+        if isinstance(group, DecodeBatch):
+            group.remove(rows)
+        else:
+            group.rows.clear()
+        for row in rows:
+            self._finish(row, reason)
+
+    # endings -------------------------------------------------------------------
+
+    def _release(self, state: RequestState) -> bool:
+        """Forget a request; False if it had already ended."""
+        if state.finished:
+            return False
+        state.finished = True
+        self._reserved -= state.reserved_bytes
+        with self._lock:
+            if self.requests.get(state.id) is state:
+                del self.requests[state.id]
+        return True
+
+    def _finish(self, state: RequestState, reason: str) -> None:
+        if not self._release(state):
+            return
+        state.output.finish(reason, state.usage, state.timings, state.report, state.submitted,
+                            state.warnings)
+
+    def _fail_request(self, state: RequestState, error: BaseException) -> None:
+        if self._release(state):
+            logger.info("request %s failed: %r", state.id, error)
+            state.emit(error)
+
+    def _fail(self, error: BaseException) -> None:
+        """The worker cannot go on: every live request gets an error naming the cause."""
+        with self._lock:
+            self.failure = error
+            self.closed = True
+            live = list(self.requests.values())
+        failed = EngineFailedError(f"the engine failed: {error!r}")
+        for state in live:
+            self._fail_request(state, failed)
+
+    def _abort_all(self) -> None:
+        """At shutdown: every request still running or queued ends with "abort"."""
+        with self._lock:
+            self.closed = True
+        self._take_new(block=False)  # whatever was submitted before the stop
+        if self._prefilling is not None and self._prefilling.prefill is not None:
+            self._prefilling.prefill.close()
+        rows = [row for group in self._decoding for row in group.rows]
+        for state in [self._prefilling, *rows, *self._waiting]:
+            if state is not None:
+                self._finish(state, "abort")
+        self._prefilling = None
+        self._waiting.clear()
+        with self._lock:
+            orphans = list(self.requests.values())
+        for state in orphans:  # defensive: anything registered but never seen
+            self._finish(state, "abort")
