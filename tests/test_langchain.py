@@ -1,16 +1,28 @@
-"""ChatSpecPrefill: LangChain's standard suites plus behaviour on the demo pair."""
+"""ChatSpecPrefill: LangChain's standard suites plus behaviour on the demo pair.
+
+The standard suites run without a blanket xfail. Four integration tests are strict
+xfails, each for a reason a 14M local model cannot meet; the capability flags that
+skip tests are the text-only model's (no image, audio or PDF inputs) and the suite's
+own (VCR, Anthropic-format inputs, a second model to override with).
+"""
 
 import asyncio
+import json
 import shutil
 
 import pytest
+from langchain_core.globals import set_llm_cache
+from langchain_core.caches import InMemoryCache
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.tools import tool
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
-from mlx_lm.tokenizer_utils import load as load_tokenizer
+from pydantic import BaseModel, Field
 
 from langchain_specprefill import ChatSpecPrefill
-from langchain_specprefill.tool_calls import split_tool_calls
+from langchain_specprefill.chat_model import ToolsNotSupportedError, shared_engine
+from langchain_specprefill.messages import UnsupportedContentError
+from langchain_specprefill.tool_calls import OutputParser, split_tool_calls
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.loading import DEMO_TARGET
 
@@ -30,37 +42,72 @@ class OurModel:
 class TestChatSpecPrefillUnit(OurModel, ChatModelUnitTests):
     @property
     def supports_model_override(self):
-        return False  # one engine holds one model pair; switch models with a new instance
+        return False  # one engine holds one model pair; a per-call model= is refused
 
 
 class TestChatSpecPrefillIntegration(OurModel, ChatModelIntegrationTests):
     @property
     def has_tool_choice(self):
-        return False
+        return True
 
     @property
     def supports_json_mode(self):
-        return False
+        return True
 
+    @pytest.mark.xfail(strict=True, reason=(
+        "checks the argument value (magic_function(3) -> {'input': 3}); the call is forced "
+        "and schema-valid, but the 14M demo model, never trained on tool use, does not copy "
+        "the 3 from the question"))
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_tool_calling(self, model):
+        super().test_tool_calling(model)
 
-DEMO_CANNOT_CALL_TOOLS = [
-    "test_tool_calling", "test_tool_calling_async", "test_bind_runnables_as_tools",
-    "test_tool_calling_with_no_arguments", "test_structured_output",
-    "test_structured_output_async", "test_structured_output_pydantic_2_v1",
-    "test_structured_output_optional_param", "test_agent_loop",
-    "test_unicode_tool_call_integration",
-]
-for _name in DEMO_CANNOT_CALL_TOOLS:
-    setattr(TestChatSpecPrefillIntegration, _name, pytest.mark.xfail(
-        reason="the 14M demo model was never trained to emit tool calls or JSON; the parsing "
-               "path is proven in test_tool_calls_are_parsed_from_real_model_output",
-    )(getattr(ChatModelIntegrationTests, _name)))
+    @pytest.mark.xfail(strict=True, reason=(
+        "same as test_tool_calling: a valid forced call whose argument the demo model "
+        "does not copy from the question"))
+    async def test_tool_calling_async(self, model):
+        await super().test_tool_calling_async(model)
+
+    @pytest.mark.xfail(strict=True, reason=(
+        "binds tools without tool_choice ('auto'): the demo model answers in text rather "
+        "than choosing the tool; test_agent.py runs the same loop with the first call "
+        "forced and the model then finishing on its own"))
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_agent_loop(self, model):
+        super().test_agent_loop(model)
+
+    @pytest.mark.xfail(strict=True, reason=(
+        "needs the model to copy a Chinese name from the prompt into the forced call; the "
+        "demo model was trained on English and Python only"))
+    def test_unicode_tool_call_integration(self, model):
+        super().test_unicode_tool_call_integration(model)
 
 
 def messages_for(seed=0, n_tokens=500):
-    tokenizer = load_tokenizer(DEMO_TARGET)
-    case = make_case(tokenizer, seed, "passkey", n_tokens)
+    case = make_case(ChatSpecPrefill().tokenizer, seed, "passkey", n_tokens)
     return [HumanMessage(case.messages[0]["content"])], case.answer
+
+
+@tool
+def get_weather(location: str) -> str:
+    """Get the weather at a location."""
+    return f"It is sunny in {location}."
+
+
+@tool
+def magic_function(input: int) -> int:
+    """Apply a magic function to an input."""
+    return input + 2
+
+
+class Joke(BaseModel):
+    """Joke to tell user."""
+
+    setup: str = Field(description="question to set up a joke")
+    punchline: str = Field(description="answer to resolve the joke")
+
+
+# plain text ----------------------------------------------------------------------
 
 
 def test_every_entry_point_gives_the_engine_greedy_text():
@@ -109,33 +156,268 @@ def test_breaking_out_of_astream_aborts_the_engine_request():
         return received
 
     assert asyncio.run(consume_two()) == 2
-    assert not engine._requests  # the request is gone, not still decoding 400 tokens
+    assert not engine.active_request_ids  # gone, not still decoding 400 tokens
 
 
-def test_message_roles_and_tool_messages_render():
+# tools ---------------------------------------------------------------------------
+
+
+def _calls(message):
+    return [(c["name"], c["args"]) for c in message.tool_calls]
+
+
+def test_streamed_tool_calls_agree_across_entry_points():
+    llm = ChatSpecPrefill(max_tokens=64).bind_tools([magic_function, get_weather],
+                                                    tool_choice="any")
+    prompt = "What is the weather in Paris? Use the tool."
+    invoked = llm.invoke(prompt)
+    assert len(invoked.tool_calls) == 1 and invoked.content == ""
+    assert invoked.tool_calls[0]["id"].startswith("call_")
+    expected = _calls(invoked)
+    assert _calls(asyncio.run(llm.ainvoke(prompt))) == expected
+
+    chunks = list(llm.stream(prompt))
+    assert any(c.tool_call_chunks for c in chunks)  # streamed as tool_call_chunks
+    assert all("<tool_call>" not in c.content and "</tool_call>" not in c.content
+               for c in chunks)
+    streamed = sum(chunks[1:], chunks[0])
+    assert _calls(streamed) == expected and streamed.content == ""
+
+    async def astream():
+        parts = [c async for c in llm.astream(prompt)]
+        return sum(parts[1:], parts[0])
+
+    assert _calls(asyncio.run(astream())) == expected
+
+    async def events():
+        # astream_events attaches a streaming callback: invoke goes through _astream
+        async for event in llm.astream_events(prompt, version="v2"):
+            if event["event"] == "on_chat_model_end":
+                return event["data"]["output"]
+
+    assert _calls(asyncio.run(events())) == expected
+
+
+def test_tool_choice_auto_any_named_none():
+    llm = ChatSpecPrefill(max_tokens=48)
+    tools = [magic_function, get_weather]
+    prompt = "What is the weather in Paris?"
+    named = llm.bind_tools(tools, tool_choice="magic_function").invoke(prompt)
+    assert [c["name"] for c in named.tool_calls] == ["magic_function"]
+    assert isinstance(named.tool_calls[0]["args"]["input"], int)
+    forced = llm.bind_tools(tools, tool_choice={"type": "function",
+                                                "function": {"name": "get_weather"}}).invoke(prompt)
+    assert [c["name"] for c in forced.tool_calls] == ["get_weather"]
+    assert isinstance(forced.tool_calls[0]["args"]["location"], str)
+    for choice in ("any", "required", True):
+        assert len(llm.bind_tools(tools, tool_choice=choice).invoke(prompt).tool_calls) == 1
+    auto = llm.bind_tools(tools, tool_choice="auto").invoke(prompt)  # the demo model: text
+    assert auto.tool_calls == [] and auto.invalid_tool_calls == [] and auto.content
+    assert "<tool_call>" not in auto.content
+    assert llm.bind_tools(tools, tool_choice="none").invoke(prompt).tool_calls == []
+    with pytest.raises(ValueError, match="not one of the bound tools"):
+        llm.bind_tools(tools, tool_choice="no_such_tool")
+
+
+def test_parallel_tool_calls_when_allowed():
+    llm = ChatSpecPrefill(max_tokens=200)
+    result = llm.bind_tools([get_weather], tool_choice="any", parallel_tool_calls=True).invoke(
+        "Weather in Paris and in Rome?")
+    # the demo model repeats calls; each is complete and valid until max_tokens cuts one
+    assert len(result.tool_calls) >= 2
+    assert all(c["name"] == "get_weather" and set(c["args"]) == {"location"}
+               for c in result.tool_calls)
+    assert len(result.invalid_tool_calls) <= 1  # the one max_tokens cut, if any
+
+
+def test_tool_definitions_calls_and_results_reach_the_prompt():
     llm = ChatSpecPrefill(max_tokens=4)
-    result = llm.invoke([
-        SystemMessage("You answer briefly."),
-        HumanMessage("x = 1"),
-        HumanMessage("y = 2"),
-        AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1}, "id": "call_1"}]),
-        ToolMessage("3", tool_call_id="call_1"),
-        HumanMessage("What is x?"),
-    ])
-    assert isinstance(result.content, str)
-    assert result.usage_metadata["output_tokens"] >= 1
+    base = [HumanMessage("What is the weather in Paris?")]
+    plain = llm.get_num_tokens_from_messages(base)
+    with_tools = llm.get_num_tokens_from_messages(base, tools=[get_weather])
+    assert with_tools > plain + 40  # the tool's schema is rendered
+    call = AIMessage("", tool_calls=[{"name": "get_weather", "args": {"location": "Paris"},
+                                      "id": "call_1"}])
+    result = ToolMessage("x" * 400, tool_call_id="call_1")
+    longer = llm.get_num_tokens_from_messages(base + [call, result])
+    assert longer > plain + 100  # the call and a 400-character result are both shown
+    chat = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}] + [
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                "name": "get_weather", "arguments": {"location": "Paris"}}}]},
+            {"role": "tool", "content": "sunny"}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}],
+        tokenize=False, add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}\n</tool_call>' in chat
+    assert "<tool_response>\nsunny\n</tool_response>" in chat and '"name": "get_weather"' in chat
+    reply = llm.invoke([SystemMessage("You answer briefly."), *base, call, result])
+    assert reply.usage_metadata["input_tokens"] > longer
 
 
-def test_tool_calls_are_parsed_from_real_model_output(tmp_path):
-    """The parsing path the demo model cannot reach, on a real mlx-lm tokenizer."""
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(DEMO_TARGET / name, tmp_path / name)
-    tokenizer = load_tokenizer(tmp_path, tokenizer_config_extra={"tool_parser_type": "json_tools"})
+def test_bind_tools_refuses_a_template_that_cannot_render_tools(tmp_path):
+    for path in DEMO_TARGET.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n"
+                               "{% endfor %}<|assistant|>\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    llm = ChatSpecPrefill(model=str(tmp_path))
+    try:
+        with pytest.raises(ToolsNotSupportedError, match="does not render tools"):
+            llm.bind_tools([get_weather])
+    finally:
+        llm.close()
+
+
+def test_tool_call_parser_streams_like_the_whole_text():
+    tokenizer = ChatSpecPrefill().tokenizer
     output = ('Let me add them.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'
               '</tool_call>\n<tool_call>\n{"name": "mul", "arguments": {"a": 4}}\n</tool_call>')
     content, calls, invalid = split_tool_calls(output, tokenizer)
     assert content == "Let me add them."
     assert [(c["name"], c["args"]) for c in calls] == [("add", {"a": 2, "b": 3}), ("mul", {"a": 4})]
-    assert all(c["id"].startswith("call_") for c in calls) and len({c["id"] for c in calls}) == 2
+    assert len({c["id"] for c in calls}) == 2 and invalid == []
+    parser = OutputParser(tokenizer, parse_tools=True)
+    events = [e for ch in output for e in parser.feed(ch)] + parser.finish()  # char by char
+    assert "".join(v for k, v in events if k == "content") == "Let me add them."
+    assert [(v.name, json.loads(v.args)) for k, v in events if k == "tool_call"] == \
+        [("add", {"a": 2, "b": 3}), ("mul", {"a": 4})]
     _, calls, invalid = split_tool_calls("<tool_call>{not json</tool_call>", tokenizer)
     assert calls == [] and len(invalid) == 1
+    # without bound tools the markup is plain text
+    parser = OutputParser(tokenizer, parse_tools=False)
+    assert "".join(v for _, v in parser.feed(output) + parser.finish()) == output
+
+
+# structured output -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["json_schema", "json_mode", "function_calling"])
+def test_structured_output_methods_give_valid_objects(method):
+    llm = ChatSpecPrefill(max_tokens=64)
+    joke = llm.with_structured_output(Joke, method=method).invoke("Tell me a joke about cats.")
+    assert isinstance(joke, Joke)
+    as_dict = llm.with_structured_output(Joke.model_json_schema(), method=method)
+    streamed = list(as_dict.stream("Tell me a joke about cats."))
+    assert set(streamed[-1]) == {"setup", "punchline"}
+    raw = llm.with_structured_output(Joke, method=method, include_raw=True).invoke("A joke?")
+    assert isinstance(raw["parsed"], Joke) and raw["parsing_error"] is None
+    assert isinstance(raw["raw"], AIMessage)
+
+
+def test_json_mode_without_schema_gives_a_json_object():
+    llm = ChatSpecPrefill(max_tokens=96)
+    result = llm.with_structured_output(method="json_mode").invoke("Reply in JSON.")
+    assert isinstance(result, dict)
+
+
+# reasoning ------------------------------------------------------------------------
+
+
+def test_think_blocks_go_to_reasoning_content():
+    tokenizer = ChatSpecPrefill().tokenizer
+    parser = OutputParser(tokenizer)
+    text = "<think>\nThe user wants 42.\n</think>\n\nThe answer is 42."
+    events = [e for ch in text for e in parser.feed(ch)] + parser.finish()
+    assert "".join(v for k, v in events if k == "reasoning") == "The user wants 42."
+    assert "".join(v for k, v in events if k == "content") == "The answer is 42."
+
+
+@pytest.mark.parametrize("how", ["instance", "call", "reasoning"])
+def test_enable_thinking_reaches_the_template(how):
+    prompt = [HumanMessage("What is the value of x?")]
+    plain = ChatSpecPrefill(max_tokens=10).invoke(prompt)
+    if how == "instance":
+        llm, kwargs = ChatSpecPrefill(max_tokens=10, chat_template_kwargs={"enable_thinking": True}), {}
+    elif how == "call":
+        llm, kwargs = ChatSpecPrefill(max_tokens=10), {"chat_template_kwargs": {"enable_thinking": True}}
+    else:
+        llm, kwargs = ChatSpecPrefill(max_tokens=10, reasoning=True), {}
+    thinking = llm.invoke(prompt, **kwargs)
+    # the demo template opens "<think>\n" for the model: two more prompt tokens
+    assert thinking.usage_metadata["input_tokens"] > plain.usage_metadata["input_tokens"]
+    # the demo model never closes the block, so everything it wrote is reasoning
+    assert thinking.content == "" and thinking.additional_kwargs["reasoning_content"]
+    chunks = list(llm.stream(prompt, **kwargs))
+    assert "".join(c.additional_kwargs.get("reasoning_content", "") for c in chunks) == \
+        thinking.additional_kwargs["reasoning_content"]
+
+
+# lifecycle and fields ---------------------------------------------------------------
+
+
+def test_one_engine_per_model_draft_dtype_and_close():
+    a, b = ChatSpecPrefill(keep=0.3), ChatSpecPrefill(keep=0.6, threshold=64, temperature=0.5)
+    assert a.engine is b.engine
+    assert shared_engine(None, None, "bfloat16") is not a.engine  # built, not started
+    shared_engine(None, None, "bfloat16").shutdown_sync()
+    messages, _ = messages_for(4, 700)
+    kept = b.invoke(messages, max_tokens=2).response_metadata["specprefill"]
+    assert kept["engaged"] and kept["keep"] == 0.6  # keep / threshold travel per request
+    c = ChatSpecPrefill(model=str(DEMO_TARGET), draft=None)
+    first = c.engine
+    assert c.invoke("hi", max_tokens=2).usage_metadata["output_tokens"] >= 1
+    c.close()
+    assert c.engine is not first  # a later use starts a fresh engine
+    assert c.invoke("hi", max_tokens=2).usage_metadata["output_tokens"] >= 1
+    asyncio.run(c.aclose())
+
+
+def test_timeout_aborts_and_raises():
+    llm = ChatSpecPrefill(max_tokens=200, specprefill=False, timeout=1e-6)
+    messages, _ = messages_for(5, 2000)
+    with pytest.raises(TimeoutError):
+        llm.invoke(messages)
+    with pytest.raises(TimeoutError):
+        list(llm.stream(messages))
+    with pytest.raises(TimeoutError):
+        asyncio.run(llm.ainvoke(messages))
+    assert ChatSpecPrefill(max_tokens=2).invoke("hi").content is not None  # engine still fine
+    assert not llm.engine.active_request_ids
+
+
+def test_per_call_model_and_unknown_kwargs_are_refused():
+    llm = ChatSpecPrefill(max_tokens=2)
+    with pytest.raises(ValueError, match="per-call model="):
+        llm.invoke("hi", model="other/model")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        llm.invoke("hi", temprature=1.0)
+
+
+def test_token_counts_use_the_model_tokenizer():
+    llm = ChatSpecPrefill()
+    text = "def f(x):\n    return 12345"
+    assert llm.get_num_tokens(text) == len(llm.tokenizer.encode(text))
+    assert llm.get_num_tokens("12345") == 5  # the demo tokenizer splits digits: not GPT-2
+
+
+def test_identifying_params_cover_output_settings():
+    greedy, hot = ChatSpecPrefill(), ChatSpecPrefill(temperature=1.0, seed=3)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+                 "max_tokens", "keep", "threshold", "specprefill", "stop", "dtype",
+                 "chat_template_kwargs", "reasoning"):
+        assert name in greedy._identifying_params
+    assert greedy._get_llm_string() != hot._get_llm_string()
+    cache = InMemoryCache()
+    set_llm_cache(cache)
+    try:
+        first = ChatSpecPrefill(max_tokens=6).invoke("hi")
+        ChatSpecPrefill(max_tokens=6, temperature=1.0, seed=1).invoke("hi")
+        assert len(cache._cache) == 2  # the sampled call was not served the greedy answer
+        assert ChatSpecPrefill(max_tokens=6).invoke("hi").content == first.content
+        assert len(cache._cache) == 2
+    finally:
+        set_llm_cache(None)
+
+
+def test_image_blocks_raise_a_clear_error():
+    llm = ChatSpecPrefill(max_tokens=2)
+    image = HumanMessage(content=[
+        {"type": "text", "text": "What is in this image?"},
+        {"type": "image", "base64": "iVBORw0KGgo=", "mime_type": "image/png"},
+    ])
+    with pytest.raises(UnsupportedContentError, match="text-only"):
+        llm.invoke([image])
+    with pytest.raises(ValueError, match="text-only"):
+        llm.invoke([HumanMessage(content=[{"type": "image_url",
+                                           "image_url": {"url": "http://x/y.png"}}])])

@@ -135,6 +135,9 @@ class ChatSpecPrefill(BaseChatModel):
     repetition_penalty: Optional[float] = None
     seed: Optional[int] = None
     stop: Optional[list[str]] = Field(default=None, alias="stop_sequences")
+    max_retries: int = 0
+    """Accepted (LangChain's standard parameter) but unused: a local engine has no
+    transient network failures to retry. Use `.with_retry()` to retry a Runnable."""
     timeout: Optional[float] = None
     """Seconds for a whole request; past it the request is aborted and TimeoutError raised."""
     chat_template_kwargs: Optional[dict] = None
@@ -191,7 +194,8 @@ class ChatSpecPrefill(BaseChatModel):
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> dict:
         params = super()._get_ls_params(stop=stop, **kwargs)
-        params.update(ls_provider="specprefill", ls_model_name=self.model_name,
+        # A per-call model= is refused when the call runs; the trace shows what was asked.
+        params.update(ls_provider="specprefill", ls_model_name=kwargs.get("model", self.model_name),
                       ls_temperature=kwargs.get("temperature", self.temperature),
                       ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
         if stop or self.stop:
@@ -314,8 +318,11 @@ class ChatSpecPrefill(BaseChatModel):
             return AIMessageChunk(content=value)
         if kind == "reasoning":
             return AIMessageChunk(content="", additional_kwargs={"reasoning_content": value})
+        # A malformed or truncated call: its raw text as a JSON string, which LangChain
+        # files under invalid_tool_calls (raw text could partly parse as an object).
+        args = value.args if value.error is None else json.dumps(value.args)
         return AIMessageChunk(content="", tool_call_chunks=[{
-            "name": value.name, "args": value.args, "id": value.id, "index": value.index,
+            "name": value.name, "args": args, "id": value.id, "index": value.index,
             "type": "tool_call_chunk"}])
 
     def _chunks(self, chunk, parser: OutputParser, timed_out, timeout) -> list:
