@@ -15,6 +15,8 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
         ("async_app.py", ["generate:", "stream:", "timeout: request aborted", "next request:"]),
         ("langchain_chain.py", ["chain answer:", "tool calls:"]),
         ("rag_pipeline.py", ["question:", "answer:", "kept"]),
+        ("streaming_agent.py", ["tool call: get_weather(", "tool result: It is sunny in",
+                                "final: "]),
     ],
 )
 def test_example_runs(script, expected):
