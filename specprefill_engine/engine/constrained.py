@@ -2,8 +2,8 @@
 
 Built on llguidance (grammar engine: JSON schema, Lark, regex). The mask for the
 next token is computed on the host by llguidance into a packed bitmask (one bit per
-token) and applied with ordinary MLX ops (a gather, a shift, a `where`), so it runs
-on every MLX backend (CPU, CUDA, Metal); no custom kernels.
+token), unpacked on the host (numpy, ~0.1 ms at a 152K vocabulary) and applied with
+one `mx.where`, so it runs on every MLX backend (CPU, CUDA, Metal); no custom kernels.
 
 Two entry points, as the engine uses them:
 
@@ -302,7 +302,7 @@ class GrammarConstraint:
         self._np = np
         self._words = (self.llg.vocab_size + 31) // 32
         self._bitmask = np.zeros((1, self._words), dtype=np.int32)
-        self._index = None  # (word index, bit) per logit column, built for the first V
+        self._allowed = None  # one byte per logit column, reused step to step
         self.consumed = 0
 
     @property
@@ -338,16 +338,15 @@ class GrammarConstraint:
     def __call__(self, generated, logits):
         import mlx.core as mx
 
+        np = self._np
         self._advance(generated)
-        words = self.mask_words()
+        bits = np.unpackbits(self.mask_words().view(np.uint8), bitorder="little")
         vocab = logits.shape[-1]
-        if self._index is None or self._index[2] != vocab:
-            columns = mx.arange(vocab, dtype=mx.int32)
-            word = mx.minimum(mx.right_shift(columns, 5), self._words)  # padding -> zero word
-            self._index = (word, mx.bitwise_and(columns, 31), vocab)
-        word, bit, _ = self._index
-        padded = mx.array(self._np.concatenate([words, self._np.zeros(1, self._np.int32)]))
-        allowed = mx.bitwise_and(mx.right_shift(padded[word], bit), 1).astype(mx.bool_)
+        if self._allowed is None or self._allowed.size != vocab:
+            self._allowed = np.zeros(vocab, dtype=np.uint8)  # padding columns stay 0
+        n = min(vocab, bits.size)
+        self._allowed[:n] = bits[:n]
+        allowed = mx.array(self._allowed.view(np.bool_))
         return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
 
