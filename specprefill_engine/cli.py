@@ -104,10 +104,11 @@ def ask(engine, messages, args, expected=None) -> int:
     try:
         text, final = answer(engine, messages, args)
         dense_ttft = None
-        if args.compare:
-            dense = engine.generate_sync(messages, max_tokens=1, specprefill=False)
+        if args.compare:  # cold: the answer's own prefill may sit in the prefix cache
+            dense = engine.generate_sync(messages, max_tokens=1, specprefill=False,
+                                         cache_prompt=False)
             dense_ttft = dense.timings.time_to_first_token
-    except ValueError as error:
+    except (ValueError, TypeError) as error:  # the request was refused before it ran
         raise UsageError(str(error)) from None
     if args.json:
         payload = {
@@ -254,6 +255,9 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as error:  # not the user's mistake: say what failed, exit 1
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ BASE = dict(
 def save_with_demo_tokenizer(case: tuple, path: Path) -> Path:
     """Write a random-weight model of `case` with the demo tokenizer, loadable by path."""
     model_type, overrides = case
-    overrides = {**overrides, "vocab_size": 4096}
+    overrides = {"vocab_size": 4096, **overrides}
     save_model(path, tiny_model(model_type, **overrides))
     save_config({"model_type": model_type, **BASE, **overrides}, path / "config.json")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

@@ -4,7 +4,7 @@ from .engine import Engine
 from .results import Chunk, Result, SpecPrefillReport, Timings, Usage
 from .runtime import EngineConfig, EngineInfo
 from .sampling import SamplingParams
-from .scheduler import EngineFailedError
+from .scheduler import EngineFailedError, RequestFailedError
 
-__all__ = ["Chunk", "Engine", "EngineConfig", "EngineFailedError", "EngineInfo", "Result",
-           "SamplingParams", "SpecPrefillReport", "Timings", "Usage"]
+__all__ = ["Chunk", "Engine", "EngineConfig", "EngineFailedError", "EngineInfo", "RequestFailedError",
+           "Result", "SamplingParams", "SpecPrefillReport", "Timings", "Usage"]

@@ -26,6 +26,15 @@ from .state import RequestState
 POSITIONED_CACHES = (BatchKVCache, BatchRotatingKVCache)
 
 
+def _processed(row: RequestState, logits: mx.array) -> mx.array:
+    generated = mx.array(row.generated, dtype=mx.int32)
+    for processor in row.processors:
+        logits = processor(generated, logits)
+    if logits.ndim != 2 or logits.shape[0] != 1:
+        raise ValueError(f"a logits processor returned shape {logits.shape}, not (1, vocab)")
+    return logits
+
+
 def sample_rows(rows: list, logits: mx.array) -> mx.array:
     """(B, vocab) logits -> (B,) tokens: each row's processors, then its sampler."""
     if any(row.processors for row in rows):
@@ -33,9 +42,11 @@ def sample_rows(rows: list, logits: mx.array) -> mx.array:
         for index, row in enumerate(rows):
             row_logits = logits[index : index + 1]
             if row.processors:
-                generated = mx.array(row.generated, dtype=mx.int32)
-                for processor in row.processors:
-                    row_logits = processor(generated, row_logits)
+                try:
+                    row_logits = _processed(row, row_logits)
+                except Exception as error:  # this row fails; the others go on
+                    row.error = error
+                    row_logits = logits[index : index + 1]
             parts.append(row_logits)
         logits = mx.concatenate(parts, axis=0)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

@@ -217,13 +217,20 @@ class Engine:
 
     def _prepare(self, prompt: Prompt, emit: Callable, stream: bool, *, specprefill=None,
                  keep=None, threshold=None, tools=None, request_id=None, on_progress=None,
-                 response_format=None, chat_template_kwargs=None, **sampling) -> RequestState:
+                 response_format=None, chat_template_kwargs=None, logits_processors=None,
+                 cache_prompt=True, **sampling) -> RequestState:
         """Validate and tokenize on the caller's side; the worker gets a ready state."""
         info = self.info
         params = SamplingParams(**sampling)
         _check_options(specprefill, keep, threshold, tools, on_progress, chat_template_kwargs)
         if request_id is not None and not (isinstance(request_id, str) and request_id):
             raise TypeError("request_id must be a non-empty string")
+        logits_processors = list(logits_processors or [])
+        if not all(callable(p) for p in logits_processors):
+            raise TypeError("logits_processors must be a list of callables "
+                            "(generated tokens, logits) -> logits")
+        if not isinstance(cache_prompt, bool):
+            raise TypeError(f"cache_prompt must be True or False, got {cache_prompt!r}")
         if response_format is not None:
             from .constrained import check_response_format
 
@@ -247,8 +254,8 @@ class Engine:
             request_id, tokens, params, emit, specprefill,
             self.config.keep if keep is None else keep,
             self.config.threshold if threshold is None else threshold,
-            stream, on_progress is not None, response_format, max_tokens, warnings,
-            output=output,
+            stream, on_progress is not None, response_format, logits_processors, cache_prompt,
+            max_tokens, warnings, output=output,
         )
 
     @staticmethod
@@ -293,7 +300,9 @@ class Engine:
         top_k, min_p, repetition_penalty, seed, stop, stop_token_ids), `specprefill`
         (None: engine policy), `keep`, `threshold`, `tools` and `chat_template_kwargs`
         (passed to the chat template), `response_format` (constrained decoding, see
-        `constrained.py`), `request_id`, and `on_progress(Progress)`.
+        `constrained.py`), `logits_processors` (callables `(generated, logits) -> logits`,
+        mlx-lm's convention, for this request only), `cache_prompt` (False: neither
+        read nor fill the prefix cache), `request_id`, and `on_progress(Progress)`.
         """
         events = self._events(prompt, False, kwargs)
         try:

@@ -68,6 +68,8 @@ def prefill_steps(state: RequestState, runtime: Runtime,
                   prefix_cache: Optional[PrefixCache]) -> Generator:
     """SpecPrefill when the policy says so (dense when the model cannot take it)."""
     model, report = runtime.model, state.report
+    if not state.cache_prompt:
+        prefix_cache = None
     cache, cached = _lookup(model, state.tokens, prefix_cache)
     state.usage.cached_tokens = cached
     report.engaged, report.reason = decide(state, runtime, state.tokens.size - cached)

@@ -42,6 +42,10 @@ class EngineFailedError(RuntimeError):
     """The engine's worker thread failed; the message carries the cause."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed on the worker (the cause is chained); the engine goes on."""
+
+
 class Scheduler:
     def __init__(self, load: Callable[[], Runtime], make_constraint: Optional[Callable] = None,
                  name: str = "specprefill-worker"):
@@ -60,6 +64,7 @@ class Scheduler:
         self._prefilling: Optional[RequestState] = None
         self._decoding: list = []  # DecodeBatch and SoloDecode groups
         self._reserved = 0
+        self.runtime: Optional[Runtime] = None
 
     # caller side ---------------------------------------------------------------
 
@@ -94,6 +99,7 @@ class Scheduler:
             self.ready.set_exception(error)
             mx.clear_streams()
             return
+        self.runtime = runtime  # for inspection only: never used off this thread
         prefix_cache = None
         if runtime.config.prefix_cache_bytes and reusable(make_prompt_cache(runtime.model)):
             prefix_cache = PrefixCache(runtime.config.prefix_cache_bytes)
@@ -111,6 +117,7 @@ class Scheduler:
             self._decoding.clear()
             if prefix_cache is not None:
                 prefix_cache.clear()
+            self.runtime = None
             del runtime, prefix_cache  # the models are freed here, on their own thread
             mx.synchronize()
             mx.clear_cache()
@@ -155,7 +162,9 @@ class Scheduler:
         for group in self._decoding:
             leaving = {row for row in group.rows if row.cancelled.is_set()}
             if leaving:
-                self._leave(group, leaving, "abort")
+                self._leave(group, leaving)
+                for row in leaving:
+                    self._finish(row, "abort")
 
     def _admit(self, runtime: Runtime) -> None:
         if not self._waiting:
@@ -199,7 +208,9 @@ class Scheduler:
         try:
             token = sample_rows([state], logits[:, -1, :]).item()
         except Exception as error:
-            self._fail_request(state, error)
+            state.error = error
+        if state.error is not None:
+            self._fail_request(state, state.error)
             return
         state.generated.append(token)
         reason = state.output.accept(token)
@@ -227,19 +238,22 @@ class Scheduler:
             return
         finished = {}
         for row, token in produced:
-            reason = row.output.accept(token)
-            if reason is not None:
+            if row.error is None and (reason := row.output.accept(token)) is not None:
                 finished[row] = reason
+        failed = [row for row in group.rows if row.error is not None]
+        if finished or failed:
+            self._leave(group, {*finished, *failed})
+        for row in failed:
+            self._fail_request(row, row.error)
         for row, reason in finished.items():
-            self._leave(group, {row}, reason)
+            self._finish(row, reason)
 
-    def _leave(self, group, rows: set, reason: str) -> None:
+    @staticmethod
+    def _leave(group, rows: set) -> None:
         if isinstance(group, DecodeBatch):
             group.remove(rows)
         else:
             group.rows.clear()
-        for row in rows:
-            self._finish(row, reason)
 
     # endings -------------------------------------------------------------------
 
@@ -262,7 +276,11 @@ class Scheduler:
 
     def _fail_request(self, state: RequestState, error: BaseException) -> None:
         if self._release(state):
-            logger.info("request %s failed: %r", state.id, error)
+            logger.warning("request %s failed: %r", state.id, error)
+            if not isinstance(error, (EngineFailedError, RequestFailedError)):
+                failure = RequestFailedError(f"request {state.id!r} failed: {error!r}")
+                failure.__cause__ = error
+                error = failure
             state.emit(error)
 
     def _fail(self, error: BaseException) -> None:

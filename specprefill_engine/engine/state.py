@@ -28,6 +28,8 @@ class RequestState:
     stream: bool = False
     progress: bool = False
     response_format: Optional[dict] = None
+    logits_processors: list = field(default_factory=list)
+    cache_prompt: bool = True
     max_tokens: int = 256
     warnings: list = field(default_factory=list)
     submitted: float = field(default_factory=time.perf_counter)
@@ -43,6 +45,7 @@ class RequestState:
     processors: list = field(default_factory=list)
     generated: list = field(default_factory=list)  # tokens fed back so far (for processors)
     reserved_bytes: int = 0
+    error: Optional[BaseException] = None  # set by a failed logits processor during a step
     started: Optional[float] = None
     finished: bool = False
 
@@ -57,5 +60,6 @@ class RequestState:
         self.timings.queue_wait = self.started - self.submitted
         self.sampler = make_sampler(self.params)
         self.processors = make_processors(self.params, self.tokens[-32:].tolist())
+        self.processors.extend(self.logits_processors)
         if self.response_format is not None and make_constraint is not None:
             self.processors.append(make_constraint(tokenizer, self.response_format))
