@@ -168,7 +168,10 @@ class Engine:
 
     @property
     def info(self) -> EngineInfo:
-        """Tokenizer, context length, batching support (blocks until loaded)."""
+        """Tokenizer, context length, batching support (blocks until loaded; still
+        readable after shutdown)."""
+        if self._started:
+            return self._scheduler.ready.result()
         return self._ensure_started().result()
 
     @property

@@ -17,7 +17,8 @@ class OutputProcessor:
                  stream: bool, emit: Callable[[object], None]):
         self.request_id, self.stream, self.emit = request_id, stream, emit
         self.max_tokens = max_tokens
-        self.stop_ids = set(tokenizer.eos_token_ids) | set(params.stop_token_ids)
+        eos = () if params.ignore_eos else tokenizer.eos_token_ids
+        self.stop_ids = set(eos) | set(params.stop_token_ids)
         self.detokenizer = tokenizer.detokenizer
         self.stopper = StopMatcher(params.stop)
         self.tokens: list[int] = []

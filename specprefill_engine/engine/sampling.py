@@ -43,6 +43,7 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: tuple = ()
     stop_token_ids: tuple = ()
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
 
     def __post_init__(self):
         _integer("max_tokens", self.max_tokens, 1)
@@ -69,6 +70,8 @@ class SamplingParams:
         object.__setattr__(
             self, "stop_token_ids", tuple(_integer("stop_token_ids", t, 0) for t in ids)
         )
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,175 @@
+"""Decode throughput of concurrent streams: the engine's batched decode against
+mlx-lm on the same model and prompts, side by side in one run.
+
+For 1, 4, 16 and 32 concurrent requests (512-token prompts, 128 new tokens each,
+greedy, EOS ignored so every request makes all its tokens): aggregate decode
+tokens/s in the steady window (from the moment every request has its first token
+to the end) and p50 / p99 inter-token latency; mlx-lm's `BatchGenerator` (what
+`batch_generate` runs) and, for one stream, `generate_step`. Then the longest gap
+a decoding stream sees while another request prefills 8K tokens, against the
+median scheduler turn of that prefill.
+
+    .venv/bin/python benchmarks/throughput.py                       # CPU, demo target
+    python benchmarks/throughput.py --shape qwen3-8b --json out.json  # GPU, random weights
+"""
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import BatchGenerator, generate_step
+
+from specprefill_engine import Engine
+from specprefill_engine.loading import load_model
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, vocab, length).tolist() for _ in range(n)]
+
+
+def window_stats(stamps: list) -> dict:
+    """stamps: per request, the arrival time of each token. Steady window: from the
+    last request's first token to the last token of all."""
+    start = max(s[0] for s in stamps)
+    end = max(s[-1] for s in stamps)
+    tokens = sum(sum(1 for t in s if t > start) for s in stamps)
+    gaps = np.concatenate([np.diff(s) for s in stamps if len(s) > 1])
+    return {"tok_s": tokens / max(end - start, 1e-9),
+            "itl_p50_ms": float(np.percentile(gaps, 50) * 1e3),
+            "itl_p99_ms": float(np.percentile(gaps, 99) * 1e3)}
+
+
+async def engine_run(engine, batch: list, new_tokens: int) -> dict:
+    stamps = [[] for _ in batch]
+
+    async def one(index, ids):
+        async for _ in engine.stream(ids, max_tokens=new_tokens, ignore_eos=True,
+                                     specprefill=False, cache_prompt=False):
+            stamps[index].append(time.perf_counter())
+
+    await asyncio.gather(*(one(i, ids) for i, ids in enumerate(batch)))
+    for s in stamps:  # the last chunk carries no token: drop its stamp
+        s.pop()
+    return window_stats(stamps)
+
+
+def mlx_lm_batch_run(model, batch: list, new_tokens: int) -> dict:
+    generator = BatchGenerator(model, max_tokens=new_tokens, stop_tokens=None,
+                               completion_batch_size=max(len(batch), 1))
+    uids = generator.insert(batch, [new_tokens] * len(batch))
+    stamps = {uid: [] for uid in uids}
+    while responses := generator.next_generated():
+        now = time.perf_counter()
+        for response in responses:
+            stamps[response.uid].append(now)
+    generator.close()
+    return window_stats(list(stamps.values()))
+
+
+def mlx_lm_step_run(model, ids: list, new_tokens: int) -> dict:
+    stamps = []
+    for _ in generate_step(mx.array(ids), model, max_tokens=new_tokens):
+        stamps.append(time.perf_counter())
+    return window_stats([stamps])
+
+
+async def prefill_stall(engine, vocab: int, long_tokens: int) -> dict:
+    """A stream decodes while another request prefills `long_tokens` densely."""
+    stamps, turns = [], []
+    started = asyncio.Event()
+
+    async def stream():
+        async for _ in engine.stream(prompts(1, 64, vocab, 1)[0], max_tokens=100000,
+                                     ignore_eos=True, specprefill=False, cache_prompt=False):
+            stamps.append(time.perf_counter())
+            started.set()
+
+    task = asyncio.create_task(stream())
+    await started.wait()
+    began = time.perf_counter()
+    await engine.generate(prompts(1, long_tokens, vocab, 2)[0], max_tokens=1, specprefill=False,
+                          cache_prompt=False, on_progress=lambda p: turns.append(time.perf_counter()))
+    ended = time.perf_counter()
+    task.cancel()
+    gaps = np.diff([t for t in stamps if began <= t <= ended])
+    turn = statistics.median(np.diff(turns))
+    return {"longest_gap_s": float(gaps.max()), "median_turn_s": float(turn),
+            "ratio": float(gaps.max() / turn)}
+
+
+def random_model_dir(shape: str) -> str:
+    """A random-weight Qwen3-shaped model saved with the demo tokenizer (vocab 4096:
+    every method decodes the same model, so ratios are fair)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_ttft import SHAPES
+    from mlx_lm.models import qwen3
+    from mlx_lm.utils import save_config, save_model
+    import shutil
+
+    from specprefill_engine.loading import DEMO_TARGET
+
+    config = dict(model_type="qwen3", vocab_size=4096, rms_norm_eps=1e-6,
+                  max_position_embeddings=131072, head_dim=128, rope_theta=1e6,
+                  tie_word_embeddings=False, **SHAPES[shape])
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    path = Path(tempfile.mkdtemp()) / shape
+    save_model(path, model)
+    save_config(config, path / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEMO_TARGET / name, path / name)
+    return str(path)
+
+
+async def main_async(args) -> list:
+    path = random_model_dir(args.shape) if args.shape else None
+    model, _ = load_model(path) if path else load_model()
+    vocab = 4000
+    rows = []
+    async with Engine(model=path, draft=None, max_batch_size=max(args.streams)) as engine:
+        warm = prompts(2, args.prompt, vocab, 99)
+        await engine_run(engine, warm, 8)
+        mlx_lm_batch_run(model, warm, 8)
+        for n in args.streams:
+            batch = prompts(n, args.prompt, vocab, n)
+            ours = await engine_run(engine, batch, args.new_tokens)
+            theirs = mlx_lm_batch_run(model, batch, args.new_tokens)
+            row = {"streams": n, "engine": ours, "mlx_lm_batch": theirs,
+                   "ratio_vs_batch": ours["tok_s"] / theirs["tok_s"]}
+            if n == 1:
+                step = mlx_lm_step_run(model, batch[0], args.new_tokens)
+                row["mlx_lm_generate_step"] = step
+                row["ratio_vs_generate_step"] = ours["tok_s"] / step["tok_s"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        stall = await prefill_stall(engine, vocab, args.long_prompt)
+        rows.append({"prefill_stall": stall, "step_size": engine.info.step_size})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", help="random-weight Qwen3 shape (e.g. qwen3-8b); default: demo target")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--long-prompt", type=int, default=8192)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    rows = asyncio.run(main_async(args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

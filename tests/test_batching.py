@@ -1,0 +1,191 @@
+"""Continuous batching: rows join and leave one shared decode, sparse and dense
+together, each at its own positions, with its own sampling."""
+
+import asyncio
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from models import ROPE_CASES, build, kept_chunks, random_tokens
+from specprefill_engine import Engine
+from specprefill_engine.core import sparse_prefill_steps
+from specprefill_engine.core.positions import PositionedRoPE
+from specprefill_engine.core.scoring import QueryCapture, run_steps
+from specprefill_engine.demo_tasks import make_case
+from specprefill_engine.engine.batch import as_batch_of_one, batching_support
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def chat(tokenizer, seed, n_tokens, kind="passkey"):
+    return make_case(tokenizer, seed, kind, n_tokens).messages
+
+
+def wrappers_left(model) -> list:
+    return [name for name, module in model.named_modules()
+            if isinstance(module, (PositionedRoPE, QueryCapture))]
+
+
+async def submit_in_order(engine, requests: list) -> list:
+    """Start requests one after another (each submitted before the next), so the
+    first-come-first-served prefill order is the list's order; run them together."""
+    tasks = []
+    for index, (prompt, options) in enumerate(requests):
+        request_id = f"r{index}-{id(requests)}"
+        tasks.append(asyncio.create_task(engine.generate(prompt, request_id=request_id, **options)))
+        while request_id not in engine.active_request_ids and not tasks[-1].done():
+            await asyncio.sleep(0.005)
+    return await asyncio.gather(*tasks)
+
+
+async def test_eight_mixed_requests_batched_equal_each_run_alone():
+    async with Engine(threshold=256) as solo_engine, Engine(threshold=256) as batch_engine:
+        tokenizer = solo_engine.tokenizer
+        base = chat(tokenizer, 40, 600)
+        follow = [{"role": "assistant", "content": "noted"},
+                  {"role": "user", "content": "What is the secret passkey?"}]
+        requests = [
+            (chat(tokenizer, 41, 300), {"specprefill": False, "max_tokens": 12}),
+            (chat(tokenizer, 42, 900), {"specprefill": True, "keep": 0.1, "max_tokens": 8}),
+            (chat(tokenizer, 43, 1200), {"specprefill": True, "keep": 0.3, "max_tokens": 20}),
+            (base + follow, {"specprefill": False, "max_tokens": 10}),  # cached prefix
+            (chat(tokenizer, 44, 500), {"specprefill": False, "max_tokens": 30}),
+            (base + follow[:1] + [{"role": "user", "content": chat(tokenizer, 45, 700)[0]["content"]}],
+             {"specprefill": True, "keep": 0.3, "max_tokens": 9}),  # cached prefix + sparse suffix
+            ("import os\n\n\ndef main():\n", {"specprefill": False, "max_tokens": 40}),
+            (chat(tokenizer, 46, 400), {"specprefill": True, "keep": 0.1, "max_tokens": 16}),
+        ]
+        for engine in (solo_engine, batch_engine):  # the same cached prefix in both
+            await engine.generate(base, max_tokens=2, specprefill=False)
+        alone = [await solo_engine.generate(p, **o) for p, o in requests]
+        together = await submit_in_order(batch_engine, requests)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert all(r.specprefill.batched for r in together)
+    assert together[3].usage.cached_tokens > 500 and together[5].usage.cached_tokens > 500
+    assert together[5].specprefill.engaged and together[1].specprefill.engaged
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-traditional", "llama-linear", "llama3", "yarn"])
+def test_a_sparse_row_in_a_batch_decodes_at_its_true_positions(name):
+    """Layer-0 keys of a sparse row's decode tokens equal the dense model's at M + t,
+    next to a dense row of another length, with nothing wrapped on the model."""
+    model = build(ROPE_CASES[name])
+    assert batching_support(model) == ""
+    M, steps = 300, 5
+    tokens = random_tokens(M, seed=3)
+    decode = mx.array([7, 11, 13, 17, 19])
+    dense = make_prompt_cache(model)
+    model(tokens[None], cache=dense)
+    for t in range(steps):
+        model(decode[t : t + 1][None], cache=dense)
+    expected = dense[0].keys[..., M : M + steps, :]
+
+    sparse = make_prompt_cache(model)
+    kept = kept_chunks(M)
+    _, shift = run_steps(sparse_prefill_steps(model, tokens, kept, sparse, step_size=64))
+    other = make_prompt_cache(model)
+    model(random_tokens(123, seed=4)[None], cache=other)
+    batch = as_batch_of_one(other, 0)
+    for layer, row in zip(batch, as_batch_of_one(sparse, shift)):
+        layer.extend(row)
+    assert wrappers_left(model) == []
+    for t in range(steps):
+        model(mx.stack([decode[t : t + 1], decode[t : t + 1]]), cache=batch)
+    got = batch[0].keys[1:2, :, batch[0]._idx - steps : batch[0]._idx, :]
+    assert mx.abs(got - expected).max().item() <= 1e-4
+
+
+async def test_cancelling_one_row_leaves_the_others_and_seeded_rows_match_their_solo_runs():
+    async with Engine() as engine:
+        tokenizer = engine.tokenizer
+        rows = [
+            (chat(tokenizer, 50, 400), {"max_tokens": 24}),
+            (chat(tokenizer, 51, 300), {"max_tokens": 24, "temperature": 0.9, "seed": 7}),
+            ("import os\n\n\ndef main():\n", {"max_tokens": 30, "temperature": 0.7, "top_p": 0.9,
+                                              "top_k": 20, "seed": 3}),
+            (chat(tokenizer, 52, 350), {"max_tokens": 24, "repetition_penalty": 1.3}),
+        ]
+        alone = [await engine.generate(p, **o) for p, o in rows]
+        victim_text = "def run():\n    for i in range(10):\n"
+        victim = engine.stream(victim_text, max_tokens=500, request_id="victim")
+
+        async def cancel_after_three():
+            received = 0
+            async for _ in victim:
+                received += 1
+                if received == 3:
+                    break
+            await victim.aclose()
+
+        cancel = asyncio.create_task(cancel_after_three())
+        together = await submit_in_order(engine, rows)
+        await cancel
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert len(set(map(tuple, (r.token_ids for r in together[1:3])))) == 2  # sampled rows differ
+
+
+async def test_no_wrapper_is_on_either_model_between_decode_steps():
+    async with Engine(threshold=256) as engine:
+        runtime = engine._scheduler.runtime
+        prompts = [chat(engine.tokenizer, 60 + i, 600) for i in range(3)]
+        streams = [engine.stream(p, max_tokens=30, specprefill=True) for p in prompts]
+        firsts = [await s.__anext__() for s in streams]  # every request is decoding now
+        assert all(f.text is not None for f in firsts)
+        checks = 0
+        for _ in range(10):
+            for s in streams:
+                try:
+                    await s.__anext__()
+                except StopAsyncIteration:
+                    continue
+                assert wrappers_left(runtime.model) == [] and wrappers_left(runtime.scorer.model) == []
+                checks += 1
+        for s in streams:
+            await s.aclose()
+        assert checks > 10
+
+
+async def test_admission_beyond_the_batch_size_or_kv_budget_waits_and_never_fails():
+    async with Engine(max_batch_size=2) as engine:
+        prompts = [chat(engine.tokenizer, 70 + i, 300) for i in range(5)]
+        alone = [await engine.generate(p, max_tokens=12, specprefill=False) for p in prompts]
+        seen = []
+
+        async def watch():
+            while True:
+                seen.append(sum(len(g.rows) for g in engine._scheduler._decoding))
+                await asyncio.sleep(0.002)
+
+        watcher = asyncio.create_task(watch())
+        results = await asyncio.gather(
+            *(engine.generate(p, max_tokens=12, specprefill=False) for p in prompts))
+        watcher.cancel()
+    assert [r.token_ids for r in results] == [r.token_ids for r in alone]
+    assert max(seen) <= 2
+    assert max(r.timings.queue_wait for r in results) > min(r.timings.queue_wait for r in results)
+    async with Engine(kv_cache_bytes=1) as tight:  # room for one request at a time
+        results = await asyncio.gather(
+            *(tight.generate(p, max_tokens=12, specprefill=False) for p in prompts[:3]))
+    assert [r.token_ids for r in results] == [r.token_ids for r in alone[:3]]
+
+
+def test_a_model_that_cannot_batch_decodes_alone_and_says_why(tmp_path):
+    from models import save_with_demo_tokenizer
+
+    dynamic = save_with_demo_tokenizer(ROPE_CASES["dynamic-ntk"], tmp_path / "dynamic")
+    with Engine(model=str(dynamic), draft=None) as engine:
+        assert not engine.info.batching and engine.info.batch_reason
+        results = [engine.generate_sync(p, max_tokens=6) for p in ("def f():", "import os")]
+        together = []
+
+        async def both():
+            return await asyncio.gather(*(engine.generate(p, max_tokens=6)
+                                          for p in ("def f():", "import os")))
+
+        together = asyncio.run(both())
+    assert [r.token_ids for r in together] == [r.token_ids for r in results]
+    assert not together[0].specprefill.batched
+    assert together[0].specprefill.batch_reason == engine.info.batch_reason
+    assert np.all([len(r.token_ids) >= 1 for r in together])
