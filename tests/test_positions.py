@@ -1,13 +1,15 @@
 """Kept tokens get their original RoPE positions; decode continues at M + offset."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from models import ROPE_CASES, build, random_tokens, tiny_model
 from specprefill_engine.core import cleanup_rope, sparse_prefill
-from specprefill_engine.core.positions import PositionedRoPE, position_runs
+from specprefill_engine.core.adapters import rope_owners
+from specprefill_engine.core.positions import PositionedRoPE, position_runs, rope_fallbacks
 
 M = 300
 
@@ -112,3 +114,86 @@ def test_exception_mid_prefill_leaves_model_unwrapped():
         sparse_prefill(model, tokens, mx.arange(M), make_prompt_cache(model), step_size=32,
                        cancel_check=cancel_after_two)
     assert wrappers_left(model) == 0
+
+
+# one RoPE call per layer (per-token positions) and the per-run fallback ---------------
+
+def count_rope_calls(monkeypatch) -> list:
+    calls = []
+    real = mx.fast.rope
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "rope", counting)
+    return calls
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_one_rope_call_per_layer_for_every_variant(case, monkeypatch):
+    """Queries and keys of a chunk with many runs: two calls per layer, no fallback."""
+    model = build(ROPE_CASES[case])
+    kept = kept_indices(M)
+    assert len(position_runs(np.array(kept))) > 3
+    calls = count_rope_calls(monkeypatch)
+    sparse_prefill(model, random_tokens(M), kept, make_prompt_cache(model), step_size=M)
+    cleanup_rope(model)
+    assert len(calls) == 2 * len(rope_owners(model))
+    assert rope_fallbacks(model) == []
+
+
+class NoArrayOffsetRoPE(nn.Module):
+    """A custom RoPE whose offset must be a Python int (it builds its own tables)."""
+
+    def __init__(self, dims: int, base: float = 10000.0):
+        super().__init__()
+        self.dims, self.base = dims, base
+
+    def __call__(self, x, offset=0):
+        offset = int(offset)  # fails for an array of positions
+        positions = mx.arange(offset, offset + x.shape[-2], dtype=mx.float32)
+        inv = self.base ** (-mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims)
+        angles = positions[:, None] * inv[None]
+        cos, sin = mx.cos(angles), mx.sin(angles)
+        x1, x2 = x[..., : self.dims // 2], x[..., self.dims // 2 : self.dims]
+        return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., self.dims:]], -1)
+
+
+def test_a_rope_without_array_offsets_falls_back_per_run_and_says_so(caplog):
+    model = tiny_model("llama")
+    for layer in model.layers:
+        layer.self_attn.rope = NoArrayOffsetRoPE(16)
+    with caplog.at_level("WARNING", logger="specprefill_engine.core.positions"):
+        check_exact(model, prefix=100)
+    reasons = rope_fallbacks(model)
+    assert len(reasons) == 1 and "NoArrayOffsetRoPE" in reasons[0]
+    assert "one run at a time" in caplog.text
+
+
+def test_dynamic_ntk_beyond_its_window_falls_back_per_run_and_says_so():
+    """Past max_position_embeddings dynamic NTK's base depends on the length of the call
+    (dense prefill itself then depends on its chunking): kept runs are rotated as before,
+    one call each, and the fallback is reported."""
+    model = tiny_model("llama", rope_scaling={"type": "dynamic", "factor": 2.0},
+                       max_position_embeddings=256)
+    recorder = RunRecorder(model.layers[0].self_attn.rope)
+    model.layers[0].self_attn.rope = recorder
+    kept = kept_indices(M)
+    sparse_prefill(model, random_tokens(M), kept, make_prompt_cache(model), step_size=M)
+    cleanup_rope(model)
+    assert recorder.calls[: len(recorder.calls) // 2] == position_runs(np.array(kept))
+    assert any("dynamic NTK beyond" in r for r in rope_fallbacks(model))
+
+
+class RunRecorder(nn.Module):
+    """Passes calls through to a DynamicNTK rope, writing down (offset, length)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.calls = []
+
+    def __call__(self, x, offset=0):
+        self.calls.append((int(offset), x.shape[-2]))
+        return self.inner(x, offset=offset)

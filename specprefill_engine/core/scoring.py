@@ -1,11 +1,13 @@
 """Score prompt tokens by how much a draft model's lookahead attends to them.
 
-The draft prefills the prompt, then decodes a few lookahead tokens. On each
-lookahead step we capture every attention layer's post-RoPE query (the first
-`rope` call of a forward is the query in mlx-lm's attention layers) and score it
-against the cached prompt keys: softmax(q k^T * scale), average-pooled along the
-prompt, max over layers x heads, mean over lookahead steps. Scores are reduced one
-layer at a time, so the extra memory is one layer's (heads, steps, M) block.
+The draft prefills the prompt; the forward of its last chunk also captures every
+attention layer's post-RoPE queries of the last `n_window` prompt tokens (the first
+`rope` call of a forward is the query in mlx-lm's attention layers). The last prompt
+token's query is lookahead step 1, free; `n_lookahead - 1` greedy decode steps add
+one query each (each costs a draft decode step, latency bound on a GPU). Each query
+is scored against the cached prompt keys: softmax(q k^T * scale) (causal for the
+window rows), average-pooled along the prompt, max over layers x heads, mean over
+queries. All layers are reduced in one unit of work, evaluated once.
 """
 
 from dataclasses import dataclass
@@ -16,7 +18,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from .adapters import AttentionSite, UnsupportedModelError, attention_sites, sees_whole_prompt
-from .prefill import chunked_prefill
+from .positions import positioned_rope
+from .prefill import chunked_prefill, logits_of
 
 CancelCheck = Optional[Callable[[], None]]
 
@@ -34,18 +37,25 @@ class Scorer(Protocol):
 
 
 class QueryCapture(nn.Module):
-    """Wraps a layer's `rope` (or `q_proj`) and keeps its first output of a forward:
-    the query (the second rope call of a forward rotates the keys)."""
+    """Wraps a layer's `rope` (or `q_proj`) and keeps the query of a forward: its first
+    output (the second rope call of a forward rotates the keys), cut to the last
+    `keep_last` tokens (`axis`: the token axis of that output)."""
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module, keep_last: int = 1, axis: int = -2):
         super().__init__()
         self.inner = inner
+        self.keep_last = keep_last
+        self.axis = axis
         self.query = None
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
         out = self.inner(x, *args, **kwargs)
         if self.query is None:
-            self.query = out
+            length = out.shape[self.axis]
+            start = max(length - self.keep_last, 0)
+            index = [slice(None)] * out.ndim
+            index[self.axis] = slice(start, length)
+            self.query = out[tuple(index)]
         return out
 
 
@@ -95,21 +105,50 @@ def _scored_sites(model, prompt_length: int, cache) -> list[AttentionSite]:
     return sites
 
 
-def _forward_capturing_queries(model, token: mx.array, cache, sites) -> tuple:
-    """One decode step; returns (logits, post-RoPE query per site).
+def _forward_capturing_queries(model, tokens: mx.array, cache, sites, keep_last: int = 1):
+    """One forward of `tokens` (1-D); returns (last logits, per site the post-RoPE
+    queries of the last `keep_last` tokens).
 
     The capture wrappers live only for this call, so other users of the same
     draft between steps see the plain model.
     """
-    captures = [QueryCapture(site.attention[site.query_source]) for site in sites]
+    captures = [QueryCapture(site.attention[site.query_source], keep_last,
+                             -2 if site.query_source == "rope" else 1) for site in sites]
     for site, capture in zip(sites, captures):
         setattr(site.attention, site.query_source, capture)
     try:
-        logits = model(token[None], cache=cache)[0, -1]
+        with positioned_rope(model):  # clears a shared VLM's position state, as prefill does
+            output = model(tokens[None], cache=cache)
+        logits = logits_of(output)[0, -1]
     finally:
         for site, capture in zip(sites, captures):
             setattr(site.attention, site.query_source, capture.inner)
     return logits, [capture.query for capture in captures]
+
+
+def _masked_layer_importance(query, keys, scale, pool_kernel, n_window, prompt_length):
+    """`layer_importance` where the first `n_window` query rows are the prompt's own last
+    tokens: each sees only the keys up to its position (causal), as in the prefill."""
+    if n_window <= 1:  # the last prompt token sees every prompt key
+        return layer_importance(query, keys, scale, pool_kernel)
+    _, n_heads, steps, dim = query.shape
+    n_kv = keys.shape[1]
+    q = query.astype(mx.float32).reshape(n_kv, n_heads // n_kv, steps, dim)
+    k = keys[0].astype(mx.float32)[:, None]
+    scores = (q * scale) @ k.swapaxes(-1, -2)
+    row_position = mx.concatenate([
+        mx.arange(prompt_length - n_window, prompt_length),
+        mx.full((steps - n_window,), prompt_length)])
+    future = mx.arange(prompt_length)[None, :] > row_position[:, None]
+    attention = mx.softmax(mx.where(future, -mx.inf, scores), axis=-1)
+    return average_pool(attention, pool_kernel).max(axis=(0, 1))
+
+
+def default_draft_step_size() -> int:
+    """Draft prefill chunk for scoring on this device: large on a GPU, where a chunk
+    of 2048 tokens leaves the 0.6B-class draft bound by per-call overhead (8192 measured
+    on an H200: docs/benchmarks.md); on a CPU small, so other requests interleave."""
+    return 128 if mx.default_device() == mx.cpu else 8192
 
 
 def score_steps(
@@ -119,10 +158,16 @@ def score_steps(
     pool_kernel: int = 13,
     step_size: int = 2048,
     temperature: float = 0.0,
+    n_window: int = 1,
 ) -> Generator[tuple, None, mx.array]:
-    """`score_tokens` one unit of work per iteration (a chunk, a step, a layer).
+    """`score_tokens` one unit of work per iteration (a prefill chunk, a lookahead
+    step, the reduction over layers). Yields (units done, total units); returns the
+    importance array.
 
-    Yields (units done, total units); returns the importance array.
+    The draft prefills the whole prompt; its last chunk's forward also captures the
+    queries of the prompt's last `n_window` tokens (free: no extra forward). The last
+    prompt token's query is lookahead step 1; `n_lookahead - 1` greedy decode steps
+    add one query each. So `n_lookahead=1` costs nothing beyond the draft's prefill.
     """
     tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
     tokens = tokens.reshape(-1)
@@ -131,25 +176,35 @@ def score_steps(
         raise ValueError("cannot score an empty prompt")
     if n_lookahead < 1:
         raise ValueError("n_lookahead must be at least 1")
+    if n_window < 1:
+        raise ValueError("n_window must be at least 1")
+    if step_size < 1:
+        raise ValueError(f"step_size must be >= 1, got {step_size}")
     cache = make_prompt_cache(draft_model)
     sites = _scored_sites(draft_model, prompt_length, cache)
-    done = 0
-    total = -(-(prompt_length - 1) // step_size) + n_lookahead + len(sites)
-    for _ in chunked_prefill(draft_model, tokens[:-1], cache, step_size, want_logits=False):
+    n_window = min(n_window, prompt_length)
+    # the last chunk (it holds at least the window) is the capturing forward
+    last_start = max(((prompt_length - 1) // step_size) * step_size, 0)
+    last_start = min(last_start, prompt_length - n_window)
+    n_chunks = -(-last_start // step_size) + 1
+    done, total = 0, n_chunks + (n_lookahead - 1) + 1
+    for _ in chunked_prefill(draft_model, tokens[:last_start], cache, step_size, want_logits=False):
         done += 1
         yield done, total
 
-    queries = [[] for _ in sites]
-    token = tokens[-1:]
-    for _ in range(n_lookahead):
+    logits, window = _forward_capturing_queries(
+        draft_model, tokens[last_start:], cache, sites, keep_last=n_window)
+    token = _next_token(logits, temperature)
+    mx.eval(token, window)
+    queries = [[query] for query in window]
+    done += 1
+    yield done, total
+    for _ in range(n_lookahead - 1):
         logits, step_queries = _forward_capturing_queries(draft_model, token, cache, sites)
-        if temperature > 0:
-            token = mx.random.categorical(logits / temperature)[None]
-        else:
-            token = mx.argmax(logits)[None]
+        token = _next_token(logits, temperature)
         for layer_queries, query in zip(queries, step_queries):
             layer_queries.append(query)
-        mx.eval(token, step_queries)
+        mx.async_eval(token, step_queries)
         done += 1
         yield done, total
 
@@ -165,12 +220,19 @@ def score_steps(
                 "a compressed key); use a draft with standard attention"
             )
         scale = getattr(site.attention, "scale", query.shape[-1] ** -0.5)
-        layer = layer_importance(query, keys, scale, pool_kernel)
+        layer = _masked_layer_importance(query, keys, scale, pool_kernel, n_window, prompt_length)
         importance = layer if importance is None else mx.maximum(importance, layer)
-        mx.eval(importance)
-        done += 1
-        yield done, total
-    return importance.mean(axis=0)
+    importance = importance.mean(axis=0)
+    mx.eval(importance)
+    done += 1
+    yield done, total
+    return importance
+
+
+def _next_token(logits: mx.array, temperature: float) -> mx.array:
+    if temperature > 0:
+        return mx.random.categorical(logits / temperature)[None]
+    return mx.argmax(logits)[None]
 
 
 def run_steps(steps: Generator, cancel_check: CancelCheck = None):
@@ -192,14 +254,17 @@ def score_tokens(
     step_size: int = 2048,
     temperature: float = 0.0,
     cancel_check: CancelCheck = None,
+    n_window: int = 1,
 ) -> mx.array:
     """Importance of every prompt token, shape (M,), float32.
 
-    Lookahead is greedy unless `temperature` > 0. The draft's cache is dropped
-    on return (MLX's buffer cache keeps the memory for the next request). `cancel_check()` runs between prefill chunks, lookahead
-    steps and layers, and may raise to abort.
+    Lookahead is greedy unless `temperature` > 0. The draft's cache is dropped on
+    return (MLX's buffer cache keeps the memory for the next request; nothing clears
+    it on the hot path). `cancel_check()` runs between prefill chunks, lookahead steps
+    and the final reduction, and may raise to abort.
     """
-    steps = score_steps(draft_model, tokens, n_lookahead, pool_kernel, step_size, temperature)
+    steps = score_steps(draft_model, tokens, n_lookahead, pool_kernel, step_size, temperature,
+                        n_window)
     return run_steps(steps, cancel_check)
 
 
@@ -212,11 +277,12 @@ class DraftScorer:
     pool_kernel: int = 13
     step_size: int = 2048
     temperature: float = 0.0
+    n_window: int = 1
 
     def score_steps(self, tokens: mx.array) -> Generator[tuple, None, mx.array]:
         return score_steps(
             self.model, tokens, self.n_lookahead, self.pool_kernel, self.step_size,
-            self.temperature,
+            self.temperature, self.n_window,
         )
 
     def score(self, tokens: mx.array, cancel_check: CancelCheck = None) -> mx.array:
