@@ -90,3 +90,71 @@ def make_case(tokenizer, seed: int, kind: str = "passkey", n_tokens: int = 2048)
     for depth, needle in sorted(zip(depths, needles), reverse=True):
         body.insert(int(depth * len(body)), needle)
     return Case(kind, "".join(body), question, answer, tuple(round(d, 3) for d in depths))
+
+
+@dataclass(frozen=True)
+class AgentSession:
+    """An agent's growing prompt: a system prompt with tools, retrieved documents with
+    facts spread through them, then steps that each append a tool result and ask about
+    a different fact."""
+
+    system: str
+    documents: str
+    tool_results: tuple
+    questions: tuple
+    answers: tuple
+    tools: tuple
+
+    def messages(self, step: int, replies: list) -> list:
+        """The prompt of step `step` (0-based), given the replies to earlier steps."""
+        messages = [{"role": "system", "content": self.system},
+                    {"role": "user", "content": f"{self.documents}\n{self.questions[0]}"}]
+        for index in range(1, step + 1):
+            messages.append({"role": "assistant", "content": replies[index - 1]})
+            messages.append({"role": "user", "content":
+                             f"{self.tool_results[index]}\n{self.questions[index]}"})
+        return messages
+
+
+AGENT_TOOLS = (
+    {"type": "function", "function": {
+        "name": "search_code", "description": "Search the repository for a symbol.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                       "required": ["query"]}}},
+    {"type": "function", "function": {
+        "name": "read_file", "description": "Read a file of the repository.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                       "required": ["path"]}}},
+)
+
+
+def make_agent_session(tokenizer, seed: int, n_tokens: int = 6000, steps: int = 6) -> AgentSession:
+    """Registry facts at spread depths of ~n_tokens of documents; each step asks for
+    another one after a 200-500-token tool result."""
+    rng = random.Random(f"agent-{n_tokens}-{seed}")
+    keys = list(dict.fromkeys(f"{_digits(rng, 3)}-{rng.choice(WORDS)}" for _ in range(steps * 2)))
+    keys = keys[:steps]
+    values = [_digits(rng, 6) for _ in keys]
+    lines = filler_lines()
+    start = rng.randrange(len(lines) // 2)
+    window = "".join(lines[start : start + n_tokens // 5 + 8])[: n_tokens * 4]
+    filler_ids = tokenizer.encode(window)[:n_tokens]
+    body = tokenizer.decode(filler_ids).splitlines(keepends=True)[:-1]
+    for index, (key, value) in reversed(list(enumerate(zip(keys, values)))):
+        depth = (index + 0.5) / len(keys)
+        body.insert(int(depth * len(body)), f'REGISTRY["{key}"] = "{value}"\n')
+    results = []
+    for _ in range(steps):
+        at = rng.randrange(len(lines) - 200)
+        size = rng.randint(200, 500)
+        results.append(tokenizer.decode(tokenizer.encode("".join(lines[at : at + 120]))[:size]))
+    order = list(range(steps))
+    rng.shuffle(order)
+    return AgentSession(
+        system="You are a coding agent. Answer with the value only.",
+        documents="".join(body),
+        tool_results=tuple(results),
+        questions=tuple(f'What is REGISTRY["{keys[i]}"]?' for i in order),
+        answers=tuple(values[i] for i in order),
+        tools=AGENT_TOOLS,
+    )

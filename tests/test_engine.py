@@ -130,19 +130,6 @@ async def test_growing_chat_reuses_the_prefix():
         assert second.token_ids == baseline.token_ids
 
 
-async def test_sparse_suffix_after_a_cached_prefix_is_reported():
-    async with Engine(step_size=256, threshold=256) as engine:
-        turn1 = chat(engine, 12, n_tokens=200)
-        first = await engine.generate(turn1, max_tokens=8)
-        assert not first.specprefill.engaged  # 200 tokens < threshold: dense, so cached
-        turn2 = turn1 + [{"role": "assistant", "content": first.text},
-                         {"role": "user", "content": make_case(engine.tokenizer, 13, "passkey", 1200).messages[0]["content"]}]
-        second = await engine.generate(turn2, max_tokens=8)
-        assert second.usage.cached_tokens > 150
-        assert second.specprefill.engaged
-        assert second.specprefill.total_tokens == second.usage.prompt_tokens - second.usage.cached_tokens
-
-
 @pytest.mark.parametrize(
     "prompt, kwargs, error",
     [

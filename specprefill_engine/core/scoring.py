@@ -31,7 +31,8 @@ class Scorer(Protocol):
     the engine can interleave it with other requests; `score` runs it to the end.
     """
 
-    def score_steps(self, tokens: mx.array) -> Generator[tuple, None, mx.array]: ...
+    def score_steps(self, tokens: mx.array,
+                    cache: Optional[list] = None) -> Generator[tuple, None, mx.array]: ...
 
     def score(self, tokens: mx.array, cancel_check: CancelCheck = None) -> mx.array: ...
 
@@ -159,10 +160,16 @@ def score_steps(
     step_size: int = 2048,
     temperature: float = 0.0,
     n_window: int = 1,
+    cache: Optional[list] = None,
 ) -> Generator[tuple, None, mx.array]:
     """`score_tokens` one unit of work per iteration (a prefill chunk, a lookahead
     step, the reduction over layers). Yields (units done, total units); returns the
     importance array.
+
+    `cache`, when given, is the draft's cache to use: it may already hold the KV of a
+    prefix of `tokens` (a draft prefix-cache hit; it is cut back to the last full
+    prefill chunk if it holds more), and afterwards holds the whole prompt's KV in
+    its first len(tokens) entries (lookahead entries follow), for the caller to keep.
 
     The draft prefills the whole prompt; its last chunk's forward also captures the
     queries of the prompt's last `n_window` tokens (free: no extra forward). The last
@@ -180,15 +187,20 @@ def score_steps(
         raise ValueError("n_window must be at least 1")
     if step_size < 1:
         raise ValueError(f"step_size must be >= 1, got {step_size}")
-    cache = make_prompt_cache(draft_model)
+    cache = make_prompt_cache(draft_model) if cache is None else cache
     sites = _scored_sites(draft_model, prompt_length, cache)
     n_window = min(n_window, prompt_length)
     # the last chunk (it holds at least the window) is the capturing forward
     last_start = max(((prompt_length - 1) // step_size) * step_size, 0)
     last_start = min(last_start, prompt_length - n_window)
-    n_chunks = -(-last_start // step_size) + 1
+    cached = min(cache[sites[0].cache_index].offset, last_start)
+    for layer in cache:
+        if getattr(layer, "offset", 0) > cached:
+            layer.trim(layer.offset - cached)
+    n_chunks = -(-(last_start - cached) // step_size) + 1
     done, total = 0, n_chunks + (n_lookahead - 1) + 1
-    for _ in chunked_prefill(draft_model, tokens[:last_start], cache, step_size, want_logits=False):
+    for _ in chunked_prefill(draft_model, tokens[cached:last_start], cache, step_size,
+                             want_logits=False):
         done += 1
         yield done, total
 
@@ -279,10 +291,11 @@ class DraftScorer:
     temperature: float = 0.0
     n_window: int = 1
 
-    def score_steps(self, tokens: mx.array) -> Generator[tuple, None, mx.array]:
+    def score_steps(self, tokens: mx.array,
+                    cache: Optional[list] = None) -> Generator[tuple, None, mx.array]:
         return score_steps(
             self.model, tokens, self.n_lookahead, self.pool_kernel, self.step_size,
-            self.temperature, self.n_window,
+            self.temperature, self.n_window, cache,
         )
 
     def score(self, tokens: mx.array, cancel_check: CancelCheck = None) -> mx.array:

@@ -142,6 +142,11 @@ class DecodeBatch:
         self._known = [True] * len(self.rows)
         return produced
 
+    def extract(self, row: RequestState) -> list:
+        """One row's cache as plain per-layer caches (its left padding removed)."""
+        index = self.rows.index(row)
+        return [layer.extract(index) for layer in self.cache]
+
     def remove(self, leaving: set) -> None:
         """Drop rows (finished or aborted) and their cache rows."""
         keep = [i for i, row in enumerate(self.rows) if row not in leaving]
@@ -167,6 +172,9 @@ class SoloDecode:
         self.model, self.row, self.cache, self.shift = model, row, cache, shift
         self.rows = [row]
         self.token = first_token
+
+    def extract(self, row: RequestState) -> list:
+        return self.cache
 
     def step(self) -> list[tuple[RequestState, int]]:
         with positioned_rope(self.model, shift=self.shift):

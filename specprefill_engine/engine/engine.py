@@ -23,6 +23,7 @@ from .results import Chunk, Progress, Result
 from .runtime import EngineConfig, EngineInfo, load_runtime
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .segments import protected_tokens
 from .state import RequestState
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,10 @@ def prompt_tokens(prompt: Prompt, tokenizer, vocab_size: int, tools: Optional[li
     if len(ids) == 0:
         raise ValueError("prompt is empty after tokenization")
     return np.asarray(ids, dtype=np.int32)
+
+
+def _is_chat(prompt: Prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
 
 
 def _check_options(specprefill, keep, threshold, tools, on_progress, chat_template_kwargs):
@@ -251,6 +256,10 @@ class Engine:
                                 f"{tokens.size} + max_tokens must fit the context of "
                                 f"{info.context_length}")
                 max_tokens = room
+        protected = None
+        if specprefill is not False and self.draft_path is not None and _is_chat(prompt):
+            protected = protected_tokens(info.tokenizer, list(prompt), tokens, tools,
+                                         chat_template_kwargs, self.config.recent_message_cap)
         request_id = request_id or f"req-{next(_ids)}"
         output = OutputProcessor(request_id, params, max_tokens, info.tokenizer, stream, emit)
         return RequestState(
@@ -258,7 +267,7 @@ class Engine:
             self.config.keep if keep is None else keep,
             self.config.threshold if threshold is None else threshold,
             stream, on_progress is not None, response_format, logits_processors, cache_prompt,
-            max_tokens, warnings, output=output,
+            max_tokens, protected, warnings, output=output,
         )
 
     @staticmethod

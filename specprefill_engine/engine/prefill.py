@@ -2,14 +2,29 @@
 lookup, the SpecPrefill decision, draft scoring, selection, target prefill.
 
 Yields (phase, done, total) between units so the scheduler can run decode steps
-and check for cancellation; returns (cache, last-token logits, decode shift).
+and check for cancellation; returns (cache, last-token logits, decode shift) and
+leaves in `state.positions` the position of every cache entry (None: 0..n-1).
+
+Across an agent's turns (see README, "Agent turns"):
+- the draft's prompt KV is kept, so scoring a grown prompt prefills only its new
+  tokens through the draft (importance still covers every token);
+- selection always runs over the whole prompt, on an absolute chunk grid, with the
+  chat template's protected tokens; a dense prefix-cache hit is reused only up to the
+  first token the selection drops, cut to the prefill chunk grid, so the kept set and
+  the computed KV are those of a fresh engine: the answer does not depend on history;
+- a stored SpecPrefill cache (kept prompt entries and reply, with their positions) is
+  reused for the shared prefix when the new importance says its selection still
+  covers what matters there (`reuse_coverage`); otherwise the prompt is selected anew.
 """
 
+import hashlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Generator, Optional
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import UnsupportedModelError, chunked_prefill, select_chunks, sparse_prefill_steps
@@ -22,6 +37,14 @@ from .state import RequestState
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class PrefixCaches:
+    """The target's prefix cache (dense and sparse entries) and the draft's."""
+
+    target: Optional[PrefixCache] = None
+    draft: Optional[PrefixCache] = None
+
+
 def _phase(name: str, steps: Generator) -> Generator:
     """Label a core step generator's (done, total) yields with the phase name."""
     while True:
@@ -32,62 +55,136 @@ def _phase(name: str, steps: Generator) -> Generator:
         yield name, done, total
 
 
-def _lookup(model, tokens, prefix_cache: Optional[PrefixCache]) -> tuple[list, int]:
-    if prefix_cache is None:
-        return make_prompt_cache(model), 0
-    return prefix_cache.lookup(model, tokens)
+def _on_grid(length: int, step_size: int) -> int:
+    """Reuse cut to the prefill chunk grid, so the rest is computed in the same
+    chunks as from scratch (bit-identical KV)."""
+    return (length // step_size) * step_size
 
 
-def decide(state: RequestState, runtime: Runtime, suffix_length: int) -> tuple[bool, str]:
+def decide(state: RequestState, runtime: Runtime) -> tuple[bool, str]:
     if state.specprefill is False:
         return False, "disabled for this request"
     if runtime.scorer is None:
         return False, "no draft model configured"
-    if state.specprefill is None and suffix_length < state.threshold:
-        return False, f"prompt below threshold ({suffix_length} < {state.threshold} tokens)"
+    if state.specprefill is None and state.tokens.size < state.threshold:
+        return False, f"prompt below threshold ({state.tokens.size} < {state.threshold} tokens)"
     return True, "engaged"
 
 
-def _sparse(state: RequestState, runtime: Runtime, cache: list, cached: int) -> Generator:
-    config, report = runtime.config, state.report
+def _dense(state: RequestState, runtime: Runtime, target: Optional[PrefixCache]) -> Generator:
+    step = runtime.config.step_size
+    hit = target.find(state.tokens, dense_only=True) if target is not None else None
+    cut = _on_grid(hit.shared, step) if hit is not None else 0
+    cache, _ = PrefixCache.restore(runtime.model, hit, cut)
+    state.usage.cached_tokens = cut
+    state.report.reuse = f"dense prefix of {cut} tokens" if cut else "none"
+    steps = chunked_prefill(runtime.model, mx.array(state.tokens[cut:]), cache, step)
+    logits = yield from _phase("prefill", steps)
+    state.positions = None
+    if target is not None:
+        target.store(state.tokens, cache)
+    return cache, logits, 0
+
+
+def _importance(state: RequestState, runtime: Runtime, draft: Optional[PrefixCache]) -> Generator:
+    """Score the whole prompt, reusing (and refilling) the draft's prefix cache."""
+    tokens = state.tokens
+    hit = draft.find(tokens) if draft is not None else None
+    cut = _on_grid(hit.shared, runtime.config.step_size) if hit is not None else 0
+    cache, _ = PrefixCache.restore(runtime.scorer.model, hit, cut)
+    state.usage.draft_cached_tokens = cut
+    started = time.perf_counter()
+    importance = yield from _phase("scoring", runtime.scorer.score_steps(mx.array(tokens), cache))
+    state.timings.scoring = time.perf_counter() - started
+    if draft is not None:
+        draft.store(tokens, cache)
+    return np.array(importance, dtype=np.float32)
+
+
+def _coverage(importance: np.ndarray, wanted: np.ndarray, held: np.ndarray) -> float:
+    """Share of the importance of the tokens the selection wants that `held` has."""
+    total = float(importance[wanted].sum())
+    if total <= 0:
+        return 1.0
+    return float(importance[np.intersect1d(wanted, held)].sum()) / total
+
+
+def _sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Generator:
+    config, report, tokens = runtime.config, state.report, state.tokens
+    length = tokens.size
     check_sparse_prefill_supported(runtime.model)  # before spending the draft's time
-    tokens = mx.array(state.tokens)
-    scoring_started = time.perf_counter()
-    importance = yield from _phase("scoring", runtime.scorer.score_steps(tokens))
-    state.timings.scoring = time.perf_counter() - scoring_started
-    selected = select_chunks(importance[cached:], report.keep, config.chunk_size,
-                             config.backbone_pct, config.tail_tokens)
-    selected = cover_sliding_window(selected, cache, tokens.size - cached, cached)
-    report.kept_tokens = int(selected.size)
-    steps = sparse_prefill_steps(runtime.model, tokens[cached:], selected, cache,
-                                 config.step_size, cached)
-    return (yield from _phase("prefill", steps))
+    importance = yield from _importance(state, runtime, caches.draft)
+    selected = np.asarray(select_chunks(
+        importance, report.keep, config.chunk_size, config.backbone_pct, config.tail_tokens,
+        must_keep=state.protected,
+    ), dtype=np.int64)
+    probe = make_prompt_cache(runtime.model)
+    selected = cover_sliding_window(selected, probe, length, 0)
+
+    # what can be reused: a dense prefix up to the first dropped token, or a stored
+    # sparse cache whose selection still covers the shared prefix
+    target, step = caches.target, config.step_size
+    cut, before, reuse = 0, np.zeros(0, np.int64), "none"
+    hit = None
+    if target is not None:
+        dense_hit = target.find(tokens, dense_only=True)
+        if dense_hit is not None:
+            # selected is sorted: the first index where it departs from 0, 1, 2, ...
+            # is the first dropped position
+            dropped = np.flatnonzero(selected != np.arange(selected.size))
+            first_dropped = int(dropped[0]) if dropped.size else int(selected.size)
+            cut = _on_grid(min(dense_hit.shared, first_dropped), step)
+            hit, before = dense_hit, np.arange(cut)
+            reuse = f"dense prefix of {cut} tokens" if cut else "none"
+        sparse_hit = target.find(tokens)
+        if sparse_hit is not None and sparse_hit.entry.positions is not None \
+                and sparse_hit.shared > cut:
+            shared = sparse_hit.shared
+            held = sparse_hit.entry.positions[sparse_hit.entry.positions < shared]
+            coverage = _coverage(importance, selected[selected < shared], held)
+            if coverage >= config.reuse_coverage:
+                cut, hit, before = shared, sparse_hit, held
+                reuse = (f"sparse prefix of {shared} tokens ({held.size} entries), "
+                         f"coverage {coverage:.2f} >= {config.reuse_coverage}")
+            else:
+                reuse = (f"selected anew: a stored selection covers {coverage:.2f} of the "
+                         f"shared prefix's importance (< {config.reuse_coverage}); {reuse}")
+    cache, _ = PrefixCache.restore(runtime.model, hit, cut)
+    state.usage.cached_tokens = int(before.size)
+    report.reuse = reuse
+    kept_new = selected[selected >= cut]
+    report.kept_tokens = int(before.size + kept_new.size)
+    steps = sparse_prefill_steps(runtime.model, mx.array(tokens[cut:]), kept_new - cut, cache,
+                                 step, cut)
+    logits, shift = yield from _phase("prefill", steps)
+    positions = np.concatenate([before, kept_new])
+    report.selection_digest = hashlib.sha1(positions.astype(np.int64).tobytes()).hexdigest()[:16]
+    state.positions = None if np.array_equal(positions, np.arange(length)) else positions
+    return cache, logits, shift
 
 
-def prefill_steps(state: RequestState, runtime: Runtime,
-                  prefix_cache: Optional[PrefixCache]) -> Generator:
+def prefill_steps(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Generator:
     """SpecPrefill when the policy says so (dense when the model cannot take it)."""
-    model, report = runtime.model, state.report
+    report = state.report
     if not state.cache_prompt:
-        prefix_cache = None
-    cache, cached = _lookup(model, state.tokens, prefix_cache)
-    state.usage.cached_tokens = cached
-    report.engaged, report.reason = decide(state, runtime, state.tokens.size - cached)
+        caches = PrefixCaches()
+    report.engaged, report.reason = decide(state, runtime)
+    if report.engaged and caches.target is not None:
+        hit = caches.target.find(state.tokens, dense_only=True)
+        left = state.tokens.size - hit.shared if hit else 0
+        floor = runtime.config.chunk_size + runtime.config.tail_tokens
+        if state.specprefill is None:
+            floor = max(floor, state.threshold)
+        if hit is not None and left < floor:  # not worth the draft's time
+            report.engaged = False
+            report.reason = (f"only {left} tokens to prefill after a cached prefix: "
+                             f"too few to sparsify (< {floor}); dense, not scored")
     if report.engaged:
-        report.total_tokens = int(state.tokens.size) - cached
         try:
-            logits, shift = yield from _sparse(state, runtime, cache, cached)
-            return cache, logits, shift
+            return (yield from _sparse(state, runtime, caches))
         except UnsupportedModelError as error:
             logger.info("request %s: dense prefill, %s", state.id, error)
             report.engaged = False
             report.reason = f"fell back to dense prefill: {error}"
-            report.kept_tokens = report.total_tokens = int(state.tokens.size)
-            cache, cached = _lookup(model, state.tokens, prefix_cache)
-            state.usage.cached_tokens = cached
-    suffix = mx.array(state.tokens[cached:])
-    steps = chunked_prefill(model, suffix, cache, runtime.config.step_size)
-    logits = yield from _phase("prefill", steps)
-    if prefix_cache is not None:
-        prefix_cache.store(state.tokens, cache)
-    return cache, logits, 0
+            report.kept_tokens = int(state.tokens.size)
+    return (yield from _dense(state, runtime, caches.target))

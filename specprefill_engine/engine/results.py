@@ -8,7 +8,8 @@ from typing import Optional
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # target KV entries reused from the prefix cache
+    draft_cached_tokens: int = 0  # prompt tokens the draft did not have to prefill
 
 
 @dataclass
@@ -33,6 +34,8 @@ class SpecPrefillReport:
     keep: float = 1.0
     batched: bool = False
     batch_reason: str = ""
+    reuse: str = "none"  # what the prefix cache gave: dense or sparse prefix, or why not
+    selection_digest: str = ""  # a hash of the kept positions: equal digests, equal selections
 
 
 @dataclass

@@ -36,11 +36,17 @@ class EngineConfig:
     prefix_cache_bytes: int = 1 << 30
     max_batch_size: int = 32
     kv_cache_bytes: Optional[int] = None
+    draft_prefix_cache_bytes: int = 256 << 20
+    reuse_coverage: float = 0.9
+    recent_message_cap: int = 512
 
     def __post_init__(self):
         if not (isinstance(self.keep, (int, float)) and 0 < self.keep <= 1):
             raise ValueError(f"keep must be in (0, 1], got {self.keep!r}")
-        for name in ("threshold", "chunk_size", "max_batch_size", "n_lookahead"):
+        if not 0 <= self.reuse_coverage <= 1:
+            raise ValueError(f"reuse_coverage must be in [0, 1], got {self.reuse_coverage!r}")
+        for name in ("threshold", "chunk_size", "max_batch_size", "n_lookahead",
+                     "recent_message_cap"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -25,10 +25,11 @@ from concurrent.futures import Future
 from typing import Callable, Optional
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .batch import DecodeBatch, SoloDecode, sample_rows
-from .prefill import prefill_steps
+from .prefill import PrefixCaches, prefill_steps
 from .prefix_cache import PrefixCache, reusable
 from .results import Progress
 from .runtime import EngineInfo, Runtime
@@ -44,6 +45,31 @@ class EngineFailedError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """One request failed on the worker (the cause is chained); the engine goes on."""
+
+
+def make_prefix_caches(runtime: Runtime) -> PrefixCaches:
+    """Prefix caches for the models whose caches can be cut to any prefix."""
+    config, caches = runtime.config, PrefixCaches()
+    if config.prefix_cache_bytes and reusable(make_prompt_cache(runtime.model)):
+        caches.target = PrefixCache(config.prefix_cache_bytes)
+    scorer_model = getattr(runtime.scorer, "model", None)
+    if config.draft_prefix_cache_bytes and scorer_model is not None \
+            and reusable(make_prompt_cache(scorer_model)):
+        caches.draft = PrefixCache(config.draft_prefix_cache_bytes)
+    return caches
+
+
+def _keep_for_next_turn(target: PrefixCache, row: RequestState, cache: list) -> None:
+    """Store a finished request's cache, prompt and reply, for an agent's next turn."""
+    prompt_entries = row.tokens.size if row.positions is None else row.positions.size
+    replied = min(len(row.generated), cache[0].offset - prompt_entries)
+    if replied < 0:
+        return
+    tokens = np.concatenate([row.tokens, np.asarray(row.generated[:replied], np.int32)])
+    positions = row.positions
+    if positions is not None:
+        positions = np.concatenate([positions, row.tokens.size + np.arange(replied)])
+    target.store(tokens, cache, positions)
 
 
 class Scheduler:
@@ -100,14 +126,12 @@ class Scheduler:
             mx.clear_streams()
             return
         self.runtime = runtime  # for inspection only: never used off this thread
-        prefix_cache = None
-        if runtime.config.prefix_cache_bytes and reusable(make_prompt_cache(runtime.model)):
-            prefix_cache = PrefixCache(runtime.config.prefix_cache_bytes)
+        caches = make_prefix_caches(runtime)
         self.ready.set_result(EngineInfo(runtime.tokenizer, runtime.context_length,
                                          not runtime.batch_reason, runtime.batch_reason,
                                          runtime.config.step_size, runtime.vocab_size))
         try:
-            while self._turn(runtime, prefix_cache):
+            while self._turn(runtime, caches):
                 pass
         except BaseException as error:  # a defect in the loop: every caller hears of it
             logger.exception("engine worker failed")
@@ -115,15 +139,16 @@ class Scheduler:
         finally:
             self._abort_all()
             self._decoding.clear()
-            if prefix_cache is not None:
-                prefix_cache.clear()
+            for store in (caches.target, caches.draft):
+                if store is not None:
+                    store.clear()
             self.runtime = None
-            del runtime, prefix_cache  # the models are freed here, on their own thread
+            del runtime, caches  # the models are freed here, on their own thread
             mx.synchronize()
             mx.clear_cache()
             mx.clear_streams()  # a thread exiting with live MLX streams can abort the process
 
-    def _turn(self, runtime: Runtime, prefix_cache: Optional[PrefixCache]) -> bool:
+    def _turn(self, runtime: Runtime, caches: PrefixCaches) -> bool:
         busy = self._prefilling is not None or any(self._decoding)
         if not self._take_new(block=not busy and not self._waiting):
             return False
@@ -131,9 +156,9 @@ class Scheduler:
         if self._prefilling is None:
             self._admit(runtime)
         if self._prefilling is not None:
-            self._prefill_unit(runtime, prefix_cache)
+            self._prefill_unit(runtime, caches)
         for group in list(self._decoding):
-            self._decode_step(group)
+            self._decode_step(group, caches.target)
         self._decoding = [group for group in self._decoding if len(group.rows)]
         return True
 
@@ -183,10 +208,10 @@ class Scheduler:
         state.start(runtime.tokenizer, self._make_constraint)
         self._prefilling = state
 
-    def _prefill_unit(self, runtime: Runtime, prefix_cache: Optional[PrefixCache]) -> None:
+    def _prefill_unit(self, runtime: Runtime, caches: PrefixCaches) -> None:
         state = self._prefilling
         if state.prefill is None:
-            state.prefill = prefill_steps(state, runtime, prefix_cache)
+            state.prefill = prefill_steps(state, runtime, caches)
         try:
             phase, done, total = next(state.prefill)
         except StopIteration as finished:
@@ -228,7 +253,7 @@ class Scheduler:
             self._decoding.append(batch)
         batch.add(state, cache, token, shift)
 
-    def _decode_step(self, group) -> None:
+    def _decode_step(self, group, target: Optional[PrefixCache]) -> None:
         try:
             produced = group.step()
         except Exception as error:  # e.g. out of memory: these rows fail, the engine goes on
@@ -241,6 +266,10 @@ class Scheduler:
             if row.error is None and (reason := row.output.accept(token)) is not None:
                 finished[row] = reason
         failed = [row for row in group.rows if row.error is not None]
+        if target is not None:
+            for row in finished:
+                if row.cache_prompt:
+                    _keep_for_next_turn(target, row, group.extract(row))
         if finished or failed:
             self._leave(group, {*finished, *failed})
         for row in failed:

@@ -31,6 +31,7 @@ class RequestState:
     logits_processors: list = field(default_factory=list)
     cache_prompt: bool = True
     max_tokens: int = 256
+    protected: Optional[np.ndarray] = None  # tokens SpecPrefill must keep (chat segments)
     warnings: list = field(default_factory=list)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -44,6 +45,7 @@ class RequestState:
     sampler: Optional[Callable] = None
     processors: list = field(default_factory=list)
     generated: list = field(default_factory=list)  # tokens fed back so far (for processors)
+    positions: Optional[np.ndarray] = None  # each prompt cache entry's position; None: all
     reserved_bytes: int = 0
     error: Optional[BaseException] = None  # set by a failed logits processor during a step
     started: Optional[float] = None
