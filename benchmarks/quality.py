@@ -49,6 +49,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", type=int, default=5,
                         help="cases per (length, kind); the defaults take minutes on a CPU")
     parser.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.2, 0.3])
+    parser.add_argument("--lookahead", type=int, default=None, help="score_tokens n_lookahead")
+    parser.add_argument("--window", type=int, default=None, help="score_tokens n_window")
+    parser.add_argument("--config", action="append", default=[],
+                        help="NAME:LOOKAHEAD:WINDOW:MIN_CHUNK:SINK:MIN_FREE_CHUNKS, a column "
+                             "per config (the first is `specprefill`, with the random control)")
     parser.add_argument("--no-peer", action="store_true", help="skip vllm-mlx")
     parser.add_argument("--peer-site", help="folder holding vllm_mlx and mlx_lm 0.31 (no pip)")
     parser.add_argument("--json", help="write the per-case rows here")
@@ -58,8 +63,21 @@ def main(argv=None) -> int:
     rows, peer = [], {}
     for length in args.lengths:  # one length at a time, saved as it completes
         cases = quality_cases(tokenizer, args.kinds, [length], args.cases)
+        scoring = {k: v for k, v in (("n_lookahead", args.lookahead), ("n_window", args.window))
+                   if v is not None}
+        configs = None
+        if args.config:
+            configs = {}
+            for number, spec in enumerate(args.config):
+                name, look, window, min_chunk, sink, min_free = spec.split(":")
+                configs["specprefill" if number == 0 else name] = (
+                    {"n_lookahead": int(look), "n_window": int(window)},
+                    {"min_chunk_size": int(min_chunk), "sink_tokens": int(sink),
+                     "min_free_chunks": int(min_free)})
+            print(f"configs: {configs}", file=sys.stderr, flush=True)
         length_rows = quality_rows(cases, args.keeps,
-                                   report=lambda m: print(m, file=sys.stderr, flush=True))
+                                   report=lambda m: print(m, file=sys.stderr, flush=True),
+                                   configs=configs, **scoring)
         if not args.no_peer and "error" not in peer:
             peer = add_vllm_mlx(length_rows, cases, args.keeps, args.peer_site)
         rows += length_rows
@@ -67,7 +85,8 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps({"rows": rows, "peer": peer}, indent=1))
         print(f"{length} tokens done", file=sys.stderr, flush=True)
     print(f"device {mx.default_device()}, mlx {mx.__version__}; {args.cases} cases per length "
-          f"and kind ({len(args.kinds)} kinds)")
+          f"and kind ({len(args.kinds)} kinds); scoring "
+          f"n_lookahead={args.lookahead or 'default'}, n_window={args.window or 'default'}")
     print(quality_table(rows))
     if "error" in peer:
         print(f"\nvllm-mlx 0.6.0 failed: {peer['error']}")

@@ -6,6 +6,7 @@ accuracy of dense prefill, SpecPrefill at several keeps, and a random selection 
 the same size (the control that shows the task needs the right tokens).
 """
 
+import math
 import random
 import statistics
 import time
@@ -17,6 +18,7 @@ from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from .core import cleanup_rope, score_tokens, select_chunks, sparse_prefill
+from .core.selection import effective_chunk_size, forced_tokens
 from .demo_tasks import KINDS, make_case
 from .engine import Engine
 from .loading import DEMO_DRAFT, load_model
@@ -137,16 +139,23 @@ def sparse_answer(model, ids, kept, n: int, eos: set, step_size: int = 2048) -> 
 
 
 def random_selection(rng: random.Random, length: int, n_kept: int, chunk_size: int = 32,
-                     tail_tokens: int = 32) -> np.ndarray:
-    """The same forced first chunk and tail as `select_chunks`, then random whole chunks
-    up to `n_kept` tokens: the control that shows the task needs the right tokens."""
-    forced = set(range(min(chunk_size, length))) | set(range(max(length - tail_tokens, 0), length))
-    free = [c for c in range(-(-length // chunk_size))
-            if not set(range(c * chunk_size, min((c + 1) * chunk_size, length))) <= forced]
-    n_free = max(n_kept - len(forced), 0) // chunk_size
-    chosen = {i for c in rng.sample(free, min(n_free, len(free)))
-              for i in range(c * chunk_size, min((c + 1) * chunk_size, length))}
-    return np.array(sorted(forced | chosen))
+                     tail_tokens: int = 32, keep_pct: Optional[float] = None) -> np.ndarray:
+    """The same forced sink and tail as `select_chunks`, then random chunks (of the chunk
+    size `select_chunks` uses at `keep_pct`, else `chunk_size`) up to `n_kept` tokens:
+    the control that shows the task needs the right tokens."""
+    _, forced = forced_tokens(length, chunk_size, tail_tokens=tail_tokens)
+    size = chunk_size
+    if keep_pct is not None:
+        size = effective_chunk_size(max(math.ceil(keep_pct * length) - int(forced.sum()), 0),
+                                    chunk_size)
+    kept = forced.copy()
+    chunks = [c for c in range(-(-length // size)) if not kept[c * size:(c + 1) * size].all()]
+    rng.shuffle(chunks)
+    for c in chunks:
+        if kept.sum() >= n_kept:
+            break
+        kept[c * size:(c + 1) * size] = True
+    return np.flatnonzero(kept)
 
 
 def quality_cases(tokenizer, kinds, lengths, n_cases: int, seed: int = 0) -> list:
@@ -162,8 +171,14 @@ def quality_cases(tokenizer, kinds, lengths, n_cases: int, seed: int = 0) -> lis
     return cases
 
 
-def quality_rows(cases: list, keeps, random_control: bool = True, report: Report = None) -> list:
-    """Per case: whether dense, SpecPrefill at each keep, and random selection answer right."""
+def quality_rows(cases: list, keeps, random_control: bool = True, report: Report = None,
+                 configs: Optional[dict] = None, **scoring) -> list:
+    """Per case: whether dense, SpecPrefill at each keep, and random selection answer right.
+
+    `scoring` goes to `score_tokens` (n_lookahead, n_window, ...). `configs`, when given,
+    maps a column name to (score_tokens kwargs, select_chunks kwargs); the first one is
+    named `specprefill` and sets the random control's sizes, all share the dense answer."""
+    configs = configs or {"specprefill": (scoring, {})}
     model, tokenizer = load_model()
     draft, _ = load_model(default=DEMO_DRAFT)
     eos = set(tokenizer.eos_token_ids)
@@ -178,13 +193,17 @@ def quality_rows(cases: list, keeps, random_control: bool = True, report: Report
 
         row = {k: case[k] for k in ("kind", "length", "seed")}
         row["dense"] = right(dense_answer(model, ids, n, eos))
-        importance = score_tokens(draft, ids)
-        for keep in keeps:
-            kept = select_chunks(importance, keep)
-            row[f"specprefill@{keep}"] = right(sparse_answer(model, ids, kept, n, eos))
-            if random_control:
-                control = random_selection(rng, len(ids), int(kept.size))
-                row[f"random@{keep}"] = right(sparse_answer(model, ids, control, n, eos))
+        scores = {}
+        for index, (name, (score_kwargs, select_kwargs)) in enumerate(configs.items()):
+            key = tuple(sorted(score_kwargs.items()))
+            if key not in scores:
+                scores[key] = score_tokens(draft, ids, **score_kwargs)
+            for keep in keeps:
+                kept = select_chunks(scores[key], keep, **select_kwargs)
+                row[f"{name}@{keep}"] = right(sparse_answer(model, ids, kept, n, eos))
+                if random_control and index == 0:
+                    control = random_selection(rng, len(ids), int(kept.size), keep_pct=keep)
+                    row[f"random@{keep}"] = right(sparse_answer(model, ids, control, n, eos))
         rows.append(row)
         if report and number % 10 == 0:
             report(f"quality: {number}/{len(cases)} cases")

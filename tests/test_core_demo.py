@@ -44,11 +44,59 @@ def test_select_chunks_keeps_first_chunk_tail_and_budget():
     kept_set = set(kept.tolist())
     assert set(range(32)) <= kept_set  # the first chunk
     assert set(range(960, 1000)) <= kept_set  # the last 40 tokens
-    assert set(range(480, 544)) <= kept_set  # the chunks holding the important tokens
-    # 72 forced tokens, then as many whole chunks as the 200-token budget allows
-    assert kept.size == 72 + 4 * 32
+    # 72 forced tokens leave 128 of the 200-token budget: too few for 8 chunks of 32, so
+    # chunks of 16; the two holding the important tokens are kept
+    assert set(range(496, 528)) <= kept_set
+    assert kept.size == 72 + 8 * 16
     assert np.all(np.diff(kept) > 0) and kept[-1] == 999
     assert select_chunks(importance, keep_pct=1.0).size == 1000
+    # a larger budget keeps whole 32-token chunks
+    wide = np.array(select_chunks(importance, keep_pct=0.5, chunk_size=32, tail_tokens=40))
+    assert set(range(480, 544)) <= set(wide.tolist())
+    assert wide.size == 72 + 14 * 32
+
+
+def test_select_chunks_grid_is_anchored_at_absolute_positions():
+    rng = np.random.default_rng(0)
+    importance = rng.random(3000).astype(np.float32)
+    for start in (0, 5, 37, 100):
+        kept = np.array(select_chunks(importance[start:], 0.2, chunk_size=32, tail_tokens=32,
+                                      start=start, min_chunk_size=32)) + start
+        free = kept[(kept >= 32) & (kept < 3000 - 32)]  # outside the sink and the tail
+        assert np.all(np.isin(free // 32, np.unique(free // 32)))
+        counts = np.bincount(free // 32)
+        assert set(counts[counts > 0].tolist()) == {32}  # whole absolute chunks only
+    # a few cached tokens do not move which chunks win
+    base = np.array(select_chunks(importance, 0.2, start=0, min_chunk_size=32))
+    shifted = np.array(select_chunks(importance[7:], 0.2, start=7, min_chunk_size=32)) + 7
+    middle = lambda k: set(k[(k >= 64) & (k < 2900)].tolist())
+    assert middle(base) == middle(shifted)
+    # with start past the sink, no first chunk is forced
+    late = np.r_[np.zeros(32), np.ones(468)].astype(np.float32)
+    assert np.array(select_chunks(late, 0.1, start=1000))[0] >= 32
+
+
+def test_select_chunks_must_keep_is_on_top_of_the_budget():
+    length = 2000
+    importance = mx.zeros(length).at[1500:1510].add(1.0)
+    must = np.zeros(length, dtype=bool)
+    must[100:500] = True  # a 400-token system prompt
+    kept = np.array(select_chunks(importance, 0.1, must_keep=must))
+    assert set(range(100, 500)) <= set(kept.tolist())
+    assert set(range(1500, 1510)) <= set(kept.tolist())
+    others = np.setdiff1d(kept, np.arange(100, 500))
+    budget = int(np.ceil(0.1 * (length - 400)))  # 160: 64 forced + 96 free = 12 chunks of 8
+    assert budget <= others.size < budget + 8
+    with pytest.raises(ValueError):
+        select_chunks(importance, 0.1, must_keep=must[:10])
+
+
+def test_select_chunks_is_deterministic_with_ties():
+    flat = np.ones(4096, dtype=np.float32)
+    first = np.array(select_chunks(flat, 0.1))
+    assert np.array_equal(first, np.array(select_chunks(mx.array(flat), 0.1)))
+    # ties go to the earliest chunks after the sink
+    assert first[32] == 32
 
 
 def test_select_chunks_backbone_and_bad_keep():

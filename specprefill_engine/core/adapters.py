@@ -9,6 +9,7 @@ its config name:
   layer-to-cache mapping when the model makes fewer caches than it has layers.
 """
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -100,10 +101,17 @@ def _holds_cache(layer: nn.Module) -> bool:
     return has_attention(layer) or _owns(layer, ("conv1d",))
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_offset(rope_class: type) -> bool:
+    """Whether a RoPE class's call takes an `offset` (checked once per class: this runs
+    around every prefill chunk)."""
+    return "offset" in inspect.signature(rope_class.__call__).parameters
+
+
 def _checked_rope(owner: nn.Module, model: nn.Module) -> nn.Module:
     rope = owner["rope"]
     call = getattr(rope, "inner", rope)  # already wrapped by us: check the original
-    if "offset" not in inspect.signature(type(call).__call__).parameters:
+    if not _takes_offset(type(call)):
         raise UnsupportedModelError(
             f"{type(model).__module__}: unknown RoPE {type(call).__name__} (its call takes no "
             "`offset`), so kept tokens cannot be given their positions"

@@ -56,7 +56,9 @@ def runs_to_positions(runs: Runs) -> np.ndarray:
     """The per-token positions that (start, length) runs cover, in order."""
     if not runs:
         return np.zeros(0, dtype=np.int32)
-    return np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in runs]).astype(np.int32)
+    starts, lengths = np.asarray(runs, dtype=np.int64).reshape(-1, 2).T
+    before = np.cumsum(lengths) - lengths  # tokens ahead of each run
+    return (np.repeat(starts - before, lengths) + np.arange(lengths.sum())).astype(np.int32)
 
 
 # which rope modules take per-token positions ---------------------------------------

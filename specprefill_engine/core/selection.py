@@ -1,62 +1,122 @@
-"""Pick which prompt tokens the target prefills: whole chunks, by mean importance.
+"""Pick which prompt tokens the target prefills: chunks by mean importance.
 
-Always kept, inside the budget of about keep_pct * M tokens: the first chunk
-(attention sinks, the chat template's start) and the prompt's last `tail_tokens`
-tokens (the question and the template's end, so the first generated token comes
-from the real last prompt token). `backbone_pct` adds evenly spaced chunks. What
-the budget has left goes to whole chunks with the highest mean importance. All of
-it runs as array ops; the only host transfer is the final index list.
+Always kept: the tokens of `must_keep` (system prompt, tool schemas, template control
+tokens: the caller marks them), the prompt's first `sink_tokens` absolute positions
+(attention sinks, the chat template's start) and its last `tail_tokens` tokens (the
+question and the template's end, so the first generated token comes from the real last
+prompt token). `backbone_pct` adds evenly spaced chunks. What the budget has left goes
+to the chunks with the highest mean importance.
+
+Chunks lie on a grid anchored at absolute positions (boundaries at multiples of the
+chunk size counted from position 0 of the whole sequence, `start` being the absolute
+position of importance[0]), so a prefix-cache hit never shifts the grid. The chunk
+size adapts to the budget: halved (down to `min_chunk_size`) until the free budget
+holds at least `min_free_chunks` chunks, so a small keep picks several short spans
+instead of one or two long ones. Selection depends only on the importance values and
+the arguments (ties go to the earlier chunk).
 """
 
 import math
+from typing import Optional, Union
 
 import mlx.core as mx
 import numpy as np
 
+ArrayLike = Union[mx.array, np.ndarray]
+
+
+def _host(values: Optional[ArrayLike], dtype) -> Optional[np.ndarray]:
+    if values is None:
+        return None
+    if isinstance(values, mx.array):
+        values = np.array(values)
+    return np.asarray(values).astype(dtype).reshape(-1)
+
+
+def effective_chunk_size(free_budget: int, chunk_size: int, min_chunk_size: int = 8,
+                         min_free_chunks: int = 8) -> int:
+    """`chunk_size` halved (not below `min_chunk_size`) until `free_budget` tokens hold
+    at least `min_free_chunks` chunks."""
+    size = chunk_size
+    while size > min_chunk_size and free_budget < min_free_chunks * size:
+        size = max(size // 2, min_chunk_size)
+    return size
+
+
+def forced_tokens(length: int, chunk_size: int = 32, backbone_pct: float = 0.0,
+                  tail_tokens: int = 32, start: int = 0, sink_tokens: Optional[int] = None,
+                  must_keep: Optional[ArrayLike] = None) -> tuple[np.ndarray, np.ndarray]:
+    """(must_keep mask, mask of the other always-kept tokens: sink, tail, backbone)."""
+    positions = start + np.arange(length)
+    sink = chunk_size if sink_tokens is None else sink_tokens
+    must = np.zeros(length, dtype=bool) if must_keep is None else _host(must_keep, bool)
+    if must.size != length:
+        raise ValueError(f"must_keep has {must.size} entries, importance has {length}")
+    forced = (positions < sink) | (np.arange(length) >= length - max(tail_tokens, 1))
+    first_chunk, last_chunk = start // chunk_size, (start + length - 1) // chunk_size
+    n_chunks = last_chunk - first_chunk + 1
+    n_backbone = round(backbone_pct * n_chunks)
+    if n_backbone > 0:
+        picked = first_chunk + np.linspace(0, n_chunks - 1, n_backbone).round().astype(np.int64)
+        forced |= np.isin(positions // chunk_size, picked)
+    return must, forced & ~must
+
 
 def select_chunks(
-    importance: mx.array,
+    importance: ArrayLike,
     keep_pct: float = 0.3,
     chunk_size: int = 32,
     backbone_pct: float = 0.0,
     tail_tokens: int = 32,
+    *,
+    start: int = 0,
+    must_keep: Optional[ArrayLike] = None,
+    sink_tokens: Optional[int] = None,
+    min_chunk_size: int = 8,
+    min_free_chunks: int = 8,
 ) -> mx.array:
-    """Sorted int32 indices of the kept tokens."""
+    """Sorted int32 indices (into `importance`) of the kept tokens.
+
+    Budget rule: with K = must_keep's count and M = len(importance), the tokens kept
+    besides must_keep number B = ceil(keep_pct * (M - K)): the sink, tail and backbone
+    (always kept, even beyond B), then chunks by mean importance, best first (ties: the
+    earlier chunk), each adding the tokens of it not kept yet, until B is reached; the
+    last chunk may overshoot B by less than one chunk. must_keep's tokens come on top.
+    `sink_tokens` None means `chunk_size` (the first chunk). keep_pct 1.0 keeps all.
+    """
     if not 0.0 < keep_pct <= 1.0:
         raise ValueError(f"keep_pct must be in (0, 1], got {keep_pct}")
     if not 0.0 <= backbone_pct <= 1.0:
         raise ValueError(f"backbone_pct must be in [0, 1], got {backbone_pct}")
-    if chunk_size < 1:
+    if chunk_size < 1 or min_chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-    importance = importance.reshape(-1).astype(mx.float32)
-    length = importance.size
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    values = _host(importance, np.float32)
+    length = values.size
     if length == 0:
         raise ValueError("importance is empty")
-    n_chunks = math.ceil(length / chunk_size)
-    padded = mx.pad(importance, [(0, n_chunks * chunk_size - length)])
-    counts = mx.minimum(length - mx.arange(n_chunks) * chunk_size, chunk_size)
-    chunk_mean = padded.reshape(n_chunks, chunk_size).sum(axis=1) / counts
-
-    positions = mx.arange(length)
-    forced_tokens = (positions < chunk_size) | (positions >= length - max(tail_tokens, 1))
-    n_backbone = round(backbone_pct * n_chunks)
-    if n_backbone > 0:
-        backbone = np.zeros(n_chunks, dtype=bool)
-        backbone[np.linspace(0, n_chunks - 1, n_backbone).round().astype(np.int64)] = True
-        forced_tokens = forced_tokens | mx.repeat(mx.array(backbone), chunk_size)[:length]
-    n_forced = forced_tokens.sum()
-
-    # chunks wholly forced already are kept; rank the others by mean importance and
-    # fill what the budget has left with whole chunks (rounding up, as a chunk budget
-    # of ceil(keep_pct * n_chunks) would)
-    budget = math.ceil(keep_pct * length)
-    whole = mx.pad(forced_tokens, [(0, n_chunks * chunk_size - length)], constant_values=True)
-    fully_forced = whole.reshape(n_chunks, chunk_size).all(axis=1)
-    n_free = mx.maximum((budget - n_forced + chunk_size - 1) // chunk_size, 0)
-    ranked = mx.where(fully_forced, -mx.inf, chunk_mean)
-    rank = mx.argsort(mx.argsort(-ranked))
-    chosen = (rank < n_free) & ~fully_forced
-    token_mask = forced_tokens | mx.repeat(chosen, chunk_size)[:length]
     if keep_pct == 1.0:
-        token_mask = mx.ones(length, dtype=mx.bool_)
-    return mx.array(np.flatnonzero(np.array(token_mask)).astype(np.int32))
+        return mx.arange(length, dtype=mx.int32)
+    must, forced = forced_tokens(length, chunk_size, backbone_pct, tail_tokens, start,
+                                 sink_tokens, must_keep)
+    budget = math.ceil(keep_pct * (length - int(must.sum())))
+    free_budget = budget - int(forced.sum())
+    size = effective_chunk_size(max(free_budget, 0), chunk_size, min_chunk_size, min_free_chunks)
+
+    # chunks on the absolute grid; the first and last may be partial
+    chunk_of = (start + np.arange(length)) // size - start // size
+    n_chunks = int(chunk_of[-1]) + 1
+    counts = np.bincount(chunk_of, minlength=n_chunks)
+    means = np.bincount(chunk_of, weights=values, minlength=n_chunks) / counts
+    already = np.bincount(chunk_of, weights=(must | forced), minlength=n_chunks)
+    new_tokens = (counts - already).astype(np.int64)
+    candidates = np.flatnonzero(new_tokens > 0)
+    order = candidates[np.lexsort((candidates, -means[candidates]))]  # best first, stable
+    # the best chunks until their new tokens reach the free budget (at most one chunk over)
+    n_free = int(np.searchsorted(np.cumsum(new_tokens[order]), free_budget)) + 1 \
+        if free_budget > 0 else 0
+    chosen = np.zeros(n_chunks, dtype=bool)
+    chosen[order[:n_free]] = True
+    mask = must | forced | chosen[chunk_of]
+    return mx.array(np.flatnonzero(mask).astype(np.int32))
