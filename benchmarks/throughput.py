@@ -4,7 +4,7 @@ mlx-lm on the same model and prompts, side by side in one run.
 For 1, 4, 16 and 32 concurrent requests (512-token prompts, 128 new tokens each,
 greedy, EOS ignored so every request makes all its tokens): aggregate decode
 tokens/s in the steady window (from the moment every request has its first token
-to the end) and p50 / p99 inter-token latency; mlx-lm's `BatchGenerator` (what
+to the end) and p50 / p99 inter-token latency in that window; mlx-lm's `BatchGenerator` (what
 `batch_generate` runs) and, for one stream, `generate_step`. Then the longest gap
 a decoding stream sees while another request prefills 8K tokens, against the
 median scheduler turn of that prefill.
@@ -41,7 +41,8 @@ def window_stats(stamps: list) -> dict:
     start = max(s[0] for s in stamps)
     end = max(s[-1] for s in stamps)
     tokens = sum(sum(1 for t in s if t > start) for s in stamps)
-    gaps = np.concatenate([np.diff(s) for s in stamps if len(s) > 1])
+    steady = [np.asarray([t for t in s if t >= start]) for s in stamps]
+    gaps = np.concatenate([np.diff(s) for s in steady if len(s) > 1])
     return {"tok_s": tokens / max(end - start, 1e-9),
             "itl_p50_ms": float(np.percentile(gaps, 50) * 1e3),
             "itl_p99_ms": float(np.percentile(gaps, 99) * 1e3)}

@@ -30,6 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..core import UnsupportedModelError, chunked_prefill, select_chunks, sparse_prefill_steps
 from ..core.adapters import check_sparse_prefill_supported
 from ..core.sparse_prefill import cover_sliding_window
+from .policy import expected_kept, predict
 from .prefix_cache import PrefixCache
 from .runtime import Runtime
 from .state import RequestState
@@ -45,13 +46,18 @@ class PrefixCaches:
     draft: Optional[PrefixCache] = None
 
 
-def _phase(name: str, steps: Generator) -> Generator:
-    """Label a core step generator's (done, total) yields with the phase name."""
+def _phase(name: str, steps: Generator, busy: Optional[list] = None) -> Generator:
+    """Label a core step generator's (done, total) yields with the phase name;
+    add the time spent inside it (not between units) to busy[0]."""
     while True:
+        started = time.perf_counter()
         try:
             done, total = next(steps)
         except StopIteration as finished:
             return finished.value
+        finally:
+            if busy is not None:
+                busy[0] += time.perf_counter() - started
         yield name, done, total
 
 
@@ -61,14 +67,31 @@ def _on_grid(length: int, step_size: int) -> int:
     return (length // step_size) * step_size
 
 
-def decide(state: RequestState, runtime: Runtime) -> tuple[bool, str]:
+def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple[bool, str]:
+    """The request's choice, else the automatic policy: the threshold as a floor,
+    then engage only where the predicted gain beats the margin."""
     if state.specprefill is False:
         return False, "disabled for this request"
     if runtime.scorer is None:
         return False, "no draft model configured"
-    if state.specprefill is None and state.tokens.size < state.threshold:
-        return False, f"prompt below threshold ({state.tokens.size} < {state.threshold} tokens)"
-    return True, "engaged"
+    if state.specprefill:
+        return True, "requested"
+    length, config = state.tokens.size, runtime.config
+    if length < state.threshold:
+        return False, f"prompt below threshold ({length} < {state.threshold} tokens)"
+    costs = runtime.costs
+    if not costs.calibrated:
+        costs.calibrate(runtime.model, runtime.scorer.model, config.step_size)
+    dense_hit = caches.target.find(state.tokens, dense_only=True) if caches.target else None
+    draft_hit = caches.draft.find(state.tokens) if caches.draft else None
+    kept = expected_kept(length, state.keep, state.protected, config.chunk_size, config.tail_tokens)
+    prediction = predict(costs, length, dense_hit.shared if dense_hit else 0,
+                         draft_hit.shared if draft_hit else 0, kept)
+    state.report.predicted_dense_s = prediction.dense_s
+    state.report.predicted_specprefill_s = prediction.specprefill_s
+    if prediction.gain < 1 + config.specprefill_margin:
+        return False, f"policy: {prediction.describe()} (< {1 + config.specprefill_margin:.2f}x)"
+    return True, f"policy: {prediction.describe()}"
 
 
 def _dense(state: RequestState, runtime: Runtime, target: Optional[PrefixCache]) -> Generator:
@@ -79,7 +102,9 @@ def _dense(state: RequestState, runtime: Runtime, target: Optional[PrefixCache])
     state.usage.cached_tokens = cut
     state.report.reuse = f"dense prefix of {cut} tokens" if cut else "none"
     steps = chunked_prefill(runtime.model, mx.array(state.tokens[cut:]), cache, step)
-    logits = yield from _phase("prefill", steps)
+    busy = [0.0]
+    logits = yield from _phase("prefill", steps, busy)
+    runtime.costs.observe("target", state.tokens.size - cut, busy[0])
     state.positions = None
     if target is not None:
         target.store(state.tokens, cache)
@@ -93,9 +118,11 @@ def _importance(state: RequestState, runtime: Runtime, draft: Optional[PrefixCac
     cut = _on_grid(hit.shared, runtime.config.step_size) if hit is not None else 0
     cache, _ = PrefixCache.restore(runtime.scorer.model, hit, cut)
     state.usage.draft_cached_tokens = cut
-    started = time.perf_counter()
-    importance = yield from _phase("scoring", runtime.scorer.score_steps(mx.array(tokens), cache))
+    started, busy = time.perf_counter(), [0.0]
+    steps = runtime.scorer.score_steps(mx.array(tokens), cache)
+    importance = yield from _phase("scoring", steps, busy)
     state.timings.scoring = time.perf_counter() - started
+    runtime.costs.observe("draft", tokens.size - cut, busy[0])
     if draft is not None:
         draft.store(tokens, cache)
     return np.array(importance, dtype=np.float32)
@@ -156,7 +183,9 @@ def _sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Gene
     report.kept_tokens = int(before.size + kept_new.size)
     steps = sparse_prefill_steps(runtime.model, mx.array(tokens[cut:]), kept_new - cut, cache,
                                  step, cut)
-    logits, shift = yield from _phase("prefill", steps)
+    busy = [0.0]
+    logits, shift = yield from _phase("prefill", steps, busy)
+    runtime.costs.observe("target", int(kept_new.size), busy[0])
     positions = np.concatenate([before, kept_new])
     report.selection_digest = hashlib.sha1(positions.astype(np.int64).tobytes()).hexdigest()[:16]
     state.positions = None if np.array_equal(positions, np.arange(length)) else positions
@@ -168,7 +197,7 @@ def prefill_steps(state: RequestState, runtime: Runtime, caches: PrefixCaches) -
     report = state.report
     if not state.cache_prompt:
         caches = PrefixCaches()
-    report.engaged, report.reason = decide(state, runtime)
+    report.engaged, report.reason = decide(state, runtime, caches)
     if report.engaged and caches.target is not None:
         hit = caches.target.find(state.tokens, dense_only=True)
         left = state.tokens.size - hit.shared if hit else 0

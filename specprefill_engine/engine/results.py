@@ -36,6 +36,8 @@ class SpecPrefillReport:
     batch_reason: str = ""
     reuse: str = "none"  # what the prefix cache gave: dense or sparse prefix, or why not
     selection_digest: str = ""  # a hash of the kept positions: equal digests, equal selections
+    predicted_dense_s: float = 0.0  # the automatic policy's predictions (specprefill=None)
+    predicted_specprefill_s: float = 0.0
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Everything the worker thread owns: models, tokenizer, scorer, prefix cache."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import mlx.core as mx
@@ -10,6 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..core import DraftScorer, Scorer
 from ..loading import check_same_tokenizer, load_model
 from .batch import batching_support
+from .policy import CostModel
 
 
 def default_step_size() -> int:
@@ -38,11 +39,14 @@ class EngineConfig:
     kv_cache_bytes: Optional[int] = None
     draft_prefix_cache_bytes: int = 256 << 20
     reuse_coverage: float = 0.9
+    specprefill_margin: float = 0.1
     recent_message_cap: int = 512
 
     def __post_init__(self):
         if not (isinstance(self.keep, (int, float)) and 0 < self.keep <= 1):
             raise ValueError(f"keep must be in (0, 1], got {self.keep!r}")
+        if not 0 <= self.specprefill_margin:
+            raise ValueError(f"specprefill_margin must be >= 0, got {self.specprefill_margin!r}")
         if not 0 <= self.reuse_coverage <= 1:
             raise ValueError(f"reuse_coverage must be in [0, 1], got {self.reuse_coverage!r}")
         for name in ("threshold", "chunk_size", "max_batch_size", "n_lookahead",
@@ -69,6 +73,7 @@ class Runtime:
     batch_reason: str  # why requests cannot share a batched decode; "" when they can
     kv_bytes_per_token: int
     vocab_size: int  # token ids a prompt may hold: the embedding's rows
+    costs: CostModel = field(default_factory=CostModel)  # prefill costs for the policy
 
 
 @dataclass(frozen=True)
