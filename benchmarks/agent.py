@@ -12,7 +12,7 @@ is right, for
 Each method runs on its own engine, sessions one after another.
 
     .venv/bin/python benchmarks/agent.py --tokens 6000 --sessions 3 --json docs/agent-cpu.json
-    python benchmarks/agent.py --target /path/to/qwen3-8b-shaped --draft ... (GPU timing)
+    python benchmarks/agent.py --target-shape qwen3-8b --tokens 16000 --sessions 1   # GPU timing
 """
 
 import argparse
@@ -80,6 +80,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", help="target model path (default: the demo target)")
     parser.add_argument("--draft", help="draft model path (default: the demo draft)")
+    parser.add_argument("--target-shape", help="random-weight Qwen3 shape for the target "
+                        "(GPU timing; answers are meaningless), e.g. qwen3-8b")
+    parser.add_argument("--draft-shape", default="qwen3-0.6b")
     parser.add_argument("--tokens", type=int, default=6000)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--sessions", type=int, default=3)
@@ -87,6 +90,11 @@ def main():
     parser.add_argument("--coverage", type=float, default=0.9, help="the reuse gate")
     parser.add_argument("--json", help="write rows and the per-step summary here")
     args = parser.parse_args()
+    if args.target_shape:
+        from random_models import random_model_dir
+
+        args.target = random_model_dir(args.target_shape)
+        args.draft = random_model_dir(args.draft_shape, seed=1)
     rows = [row for name in METHODS for row in run_method(name, args)]
     table = summary(rows, args.steps)
     for line in table:

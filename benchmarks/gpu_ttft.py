@@ -18,6 +18,7 @@ Random weights make the selection meaningless but the timing real. `--json` keep
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import time
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--draft", default="qwen3-0.6b", choices=sorted(SHAPES))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--lookahead", type=int, default=1, help="score_tokens n_lookahead")
-    parser.add_argument("--window", type=int, default=8, help="score_tokens n_window")
+    parser.add_argument("--window", type=int, default=1, help="score_tokens n_window")
     parser.add_argument("--draft-step", type=int, default=8192, help="scoring prefill chunk")
     parser.add_argument("--compare-scoring", action="store_true",
                         help="also time scoring with 8 lookahead steps at 2048-token chunks")
@@ -109,6 +110,7 @@ def main(argv=None) -> int:
     parser.add_argument("--peer-site", help="folder holding vllm_mlx and mlx_lm 0.31: adds its rows")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    logging.getLogger("specprefill_engine.core.positions").setLevel(logging.ERROR)
     print(f"device {mx.default_device()}, mlx {mx.__version__}, target {args.target}, "
           f"draft {args.draft}, scoring: n_lookahead {args.lookahead}, n_window {args.window}, "
           f"draft chunks {args.draft_step}; medians of {args.runs} after a warm-up", flush=True)

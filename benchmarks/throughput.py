@@ -17,8 +17,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator, generate_step
 
+from random_models import random_model_dir
 from specprefill_engine import Engine
 from specprefill_engine.loading import load_model
 
@@ -104,31 +103,6 @@ async def prefill_stall(engine, vocab: int, long_tokens: int) -> dict:
     turn = statistics.median(np.diff(turns))
     return {"longest_gap_s": float(gaps.max()), "median_turn_s": float(turn),
             "ratio": float(gaps.max() / turn)}
-
-
-def random_model_dir(shape: str) -> str:
-    """A random-weight Qwen3-shaped model saved with the demo tokenizer (vocab 4096:
-    every method decodes the same model, so ratios are fair)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from gpu_ttft import SHAPES
-    from mlx_lm.models import qwen3
-    from mlx_lm.utils import save_config, save_model
-    import shutil
-
-    from specprefill_engine.loading import DEMO_TARGET
-
-    config = dict(model_type="qwen3", vocab_size=4096, rms_norm_eps=1e-6,
-                  max_position_embeddings=131072, head_dim=128, rope_theta=1e6,
-                  tie_word_embeddings=False, **SHAPES[shape])
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
-    model.set_dtype(mx.bfloat16)
-    mx.eval(model.parameters())
-    path = Path(tempfile.mkdtemp()) / shape
-    save_model(path, model)
-    save_config(config, path / "config.json")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(DEMO_TARGET / name, path / name)
-    return str(path)
 
 
 async def main_async(args) -> list:

@@ -9,6 +9,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import save_config, save_model
 
+from specprefill_engine.core.positions import PositionedRoPE
+from specprefill_engine.core.scoring import QueryCapture
 from specprefill_engine.loading import DEMO_TARGET
 
 BASE = dict(
@@ -150,3 +152,10 @@ def save_vlm_with_demo_tokenizer(path: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(DEMO_TARGET / name, path / name)
     return path
+
+
+def wrappers_left(model: nn.Module) -> list:
+    """Names of position or query-capture wrappers still on a model (none should be
+    between calls)."""
+    return [name for name, module in model.named_modules()
+            if isinstance(module, (PositionedRoPE, QueryCapture))]

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import ROPE_CASES, build, kept_chunks, random_tokens
+from models import ROPE_CASES, build, kept_chunks, random_tokens, wrappers_left
 from specprefill_engine import Engine
 from specprefill_engine.core import sparse_prefill_steps
-from specprefill_engine.core.positions import PositionedRoPE
-from specprefill_engine.core.scoring import QueryCapture, run_steps
+from specprefill_engine.core.scoring import run_steps
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.engine.batch import as_batch_of_one, batching_support
 
@@ -22,10 +21,6 @@ pytestmark = pytest.mark.timeout(600)
 def chat(tokenizer, seed, n_tokens, kind="passkey"):
     return make_case(tokenizer, seed, kind, n_tokens).messages
 
-
-def wrappers_left(model) -> list:
-    return [name for name, module in model.named_modules()
-            if isinstance(module, (PositionedRoPE, QueryCapture))]
 
 
 async def submit_in_order(engine, requests: list) -> list:

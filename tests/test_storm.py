@@ -9,9 +9,8 @@ import random
 
 import pytest
 
+from models import wrappers_left
 from specprefill_engine import Engine
-from specprefill_engine.core.positions import PositionedRoPE
-from specprefill_engine.core.scoring import QueryCapture
 from specprefill_engine.demo_tasks import make_case
 
 pytestmark = pytest.mark.timeout(600)
@@ -31,10 +30,6 @@ def prompts(tokenizer) -> list:
 async def reference_outputs(engine, cases) -> list:
     return [(await engine.generate(m, max_tokens=12, **o)).token_ids for m, o in cases]
 
-
-def wrappers_left(model) -> list:
-    return [name for name, module in model.named_modules()
-            if isinstance(module, (PositionedRoPE, QueryCapture))]
 
 
 async def one_victim(engine, rng, messages, options, request_id):
