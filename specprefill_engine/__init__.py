@@ -1,6 +1,10 @@
 """specprefill-engine: SpecPrefill for MLX, with an asyncio engine around it."""
 
+import logging
+
 from ._blas import preload_blas
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())  # silent unless configured
 
 preload_blas()
 

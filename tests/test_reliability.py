@@ -375,3 +375,29 @@ async def test_bad_input_names_the_parameter(engine, prompt, kwargs, error, name
     with pytest.raises(error, match=name):
         await engine.generate(prompt, **kwargs)
     assert (await engine.generate("def f():", max_tokens=2)).usage.completion_tokens >= 1
+
+
+def test_the_package_logs_through_logging_and_prints_nothing_by_default():
+    script = """
+        import logging, sys
+        from specprefill_engine import Engine
+        from specprefill_engine.engine import RequestFailedError
+        if sys.argv[1] == "configured":
+            logging.basicConfig(level=logging.WARNING)
+
+        def broken(generated, logits):
+            raise ZeroDivisionError("processor bug")
+
+        with Engine() as engine:
+            try:
+                engine.generate_sync("def f():", max_tokens=3, logits_processors=[broken])
+            except RequestFailedError:
+                print("failed as expected")
+    """
+    quiet = subprocess.run([sys.executable, "-c", textwrap.dedent(script), "quiet"],
+                           capture_output=True, text=True, timeout=HANG)
+    loud = subprocess.run([sys.executable, "-c", textwrap.dedent(script), "configured"],
+                          capture_output=True, text=True, timeout=HANG)
+    assert quiet.stdout.strip() == loud.stdout.strip() == "failed as expected"
+    assert quiet.stderr == ""
+    assert "specprefill_engine.engine.scheduler" in loud.stderr and "processor bug" in loud.stderr

@@ -261,6 +261,8 @@ class Engine:
             protected = protected_tokens(info.tokenizer, list(prompt), tokens, tools,
                                          chat_template_kwargs, self.config.recent_message_cap)
         request_id = request_id or f"req-{next(_ids)}"
+        logger.debug("request %s: %d prompt tokens, max_tokens %d", request_id, tokens.size,
+                     max_tokens)
         output = OutputProcessor(request_id, params, max_tokens, info.tokenizer, stream, emit)
         return RequestState(
             request_id, tokens, params, emit, specprefill,
