@@ -108,6 +108,7 @@ def main(argv=None) -> int:
                         help="also time scoring with 8 lookahead steps at 2048-token chunks")
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--peer-site", help="folder holding vllm_mlx and mlx_lm 0.31: adds its rows")
+    parser.add_argument("--peer-only", action="store_true", help="only the vllm-mlx rows")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     logging.getLogger("specprefill_engine.core.positions").setLevel(logging.ERROR)
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
         print(f"| {length} | {method} | {seconds:.3f} | {note} |", flush=True)
 
     print("| tokens | method | seconds | notes |\n| --- | --- | --- | --- |")
-    for length in args.lengths:
+    for length in [] if args.peer_only else args.lengths:
         tokens = mx.random.randint(0, args.vocab - 1000, (length,), key=mx.random.key(length))
         dense_s = timed(lambda: dense(target, tokens), args.runs)
         row(length, "dense target prefill", dense_s, per_token_ms=1e3 * dense_s / length)
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
             print(f"| {line['length']} | {line['method']} | {line['ttft']:.3f} | |", flush=True)
         ours = {(r["length"], r.get("keep")): r["ttft"] for r in rows if "SpecPrefill" in r["method"]}
         for line in rows:
-            if line["method"].startswith("vllm-mlx") and "keep" in line:
+            if line["method"].startswith("vllm-mlx") and (line["length"], line["keep"]) in ours:
                 ratio = line["ttft"] / ours[(line["length"], line["keep"])]
                 print(f"{line['length']} keep {line['keep']}: vllm-mlx / ours = {ratio:.2f}x")
     if args.json:
@@ -205,6 +206,7 @@ def vllm_mlx_rows(target, draft, lengths, keeps, runs, site, vocab) -> list:
         save_config({**vars(model.args)}, paths[name] / "config.json")
         for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             shutil.copy(DEMO_TARGET / file, paths[name] / file)
+    mx.clear_cache()  # the peer runs in its own process: leave it the GPU's memory
     cases = [{"ids": mx.random.randint(0, vocab - 1000, (n,), key=mx.random.key(n)).tolist(),
               "n_tokens": 1} for n in lengths]
     out = run_vllm_mlx({"target": str(paths["target"]), "draft": str(paths["draft"]),

@@ -16,10 +16,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def plot_ttft(rows: list, path: Path, title: str) -> None:
+    """One line per method; gpu_ttft.py's component rows (N=..., scoring, draft, before)
+    are left out and its SpecPrefill rows' ideal drawn dashed."""
     figure, axes = plt.subplots(figsize=(7, 4.5))
+    skip = ("N=", "scoring", "draft prefill", "(before)")
     for method in dict.fromkeys(r["method"] for r in rows):
+        if any(s in method for s in skip):
+            continue
         points = sorted((r["length"], r["ttft"]) for r in rows if r["method"] == method)
-        axes.plot(*zip(*points), marker="o", label=method)
+        line, = axes.plot(*zip(*points), marker="o", label=method)
+        ideal = sorted((r["length"], r["ideal_s"]) for r in rows
+                       if r["method"] == method and "ideal_s" in r)
+        if ideal:
+            axes.plot(*zip(*ideal), linestyle="--", color=line.get_color(), alpha=0.6,
+                      label=f"ideal for {method}")
     axes.set(xlabel="prompt tokens", ylabel="time to first token (s)", title=title,
              xscale="log", yscale="log")
     lengths = sorted({r["length"] for r in rows})
