@@ -155,7 +155,7 @@ def default_draft_step_size() -> int:
 def score_steps(
     draft_model: nn.Module,
     tokens,
-    n_lookahead: int = 8,
+    n_lookahead: int = 1,
     pool_kernel: int = 13,
     step_size: int = 2048,
     temperature: float = 0.0,
@@ -261,7 +261,7 @@ def run_steps(steps: Generator, cancel_check: CancelCheck = None):
 def score_tokens(
     draft_model: nn.Module,
     tokens,
-    n_lookahead: int = 8,
+    n_lookahead: int = 1,
     pool_kernel: int = 13,
     step_size: int = 2048,
     temperature: float = 0.0,
@@ -285,7 +285,7 @@ class DraftScorer:
     """A draft model that shares the target's tokenizer, as a Scorer."""
 
     model: nn.Module
-    n_lookahead: int = 8
+    n_lookahead: int = 1
     pool_kernel: int = 13
     step_size: int = 2048
     temperature: float = 0.0

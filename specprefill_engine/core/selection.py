@@ -1,8 +1,8 @@
 """Pick which prompt tokens the target prefills: chunks by mean importance.
 
 Always kept: the tokens of `must_keep` (system prompt, tool schemas, template control
-tokens: the caller marks them), the prompt's first `sink_tokens` absolute positions
-(attention sinks, the chat template's start) and its last `tail_tokens` tokens (the
+tokens: the caller marks them), the sequence's first `sink_tokens` absolute positions
+(attention sinks, the chat template's start; 8 by default) and its last `tail_tokens` tokens (the
 question and the template's end, so the first generated token comes from the real last
 prompt token). `backbone_pct` adds evenly spaced chunks. What the budget has left goes
 to the chunks with the highest mean importance.
@@ -44,11 +44,11 @@ def effective_chunk_size(free_budget: int, chunk_size: int, min_chunk_size: int 
 
 
 def forced_tokens(length: int, chunk_size: int = 32, backbone_pct: float = 0.0,
-                  tail_tokens: int = 32, start: int = 0, sink_tokens: Optional[int] = None,
+                  tail_tokens: int = 32, start: int = 0, sink_tokens: int = 8,
                   must_keep: Optional[ArrayLike] = None) -> tuple[np.ndarray, np.ndarray]:
     """(must_keep mask, mask of the other always-kept tokens: sink, tail, backbone)."""
     positions = start + np.arange(length)
-    sink = chunk_size if sink_tokens is None else sink_tokens
+    sink = sink_tokens
     must = np.zeros(length, dtype=bool) if must_keep is None else _host(must_keep, bool)
     if must.size != length:
         raise ValueError(f"must_keep has {must.size} entries, importance has {length}")
@@ -71,7 +71,7 @@ def select_chunks(
     *,
     start: int = 0,
     must_keep: Optional[ArrayLike] = None,
-    sink_tokens: Optional[int] = None,
+    sink_tokens: int = 8,
     min_chunk_size: int = 8,
     min_free_chunks: int = 8,
 ) -> mx.array:
@@ -82,7 +82,8 @@ def select_chunks(
     (always kept, even beyond B), then chunks by mean importance, best first (ties: the
     earlier chunk), each adding the tokens of it not kept yet, until B is reached; the
     last chunk may overshoot B by less than one chunk. must_keep's tokens come on top.
-    `sink_tokens` None means `chunk_size` (the first chunk). keep_pct 1.0 keeps all.
+    keep_pct 1.0 keeps all. Defaults (sink 8, chunks of 32 down to 8) from the GPU quality
+    grid in docs/benchmarks.md.
     """
     if not 0.0 < keep_pct <= 1.0:
         raise ValueError(f"keep_pct must be in (0, 1], got {keep_pct}")
