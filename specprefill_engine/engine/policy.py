@@ -50,13 +50,14 @@ class CostModel:
         a, b = _fit(getattr(self, which))
         return a * tokens + b * tokens * tokens
 
-    def calibrate(self, target, draft, step_size: int) -> None:
+    def calibrate(self, target, draft, step_size: int, draft_step_size: int) -> None:
         """Two timed prefills of each model (after a warm-up), on this worker."""
         lengths = (256, 768) if mx.default_device() == mx.cpu else (2048, 8192)
-        for which, model in (("target", target), ("draft", draft)):
-            _timed_prefill(model, 64, step_size)  # warm-up: first-call costs
+        for which, model, step in (("target", target, step_size),
+                                   ("draft", draft, draft_step_size)):
+            _timed_prefill(model, 64, step)  # warm-up: first-call costs
             for length in lengths:
-                self.observe(which, length, _timed_prefill(model, length, step_size))
+                self.observe(which, length, _timed_prefill(model, length, step))
         self.calibrated = True
 
 

@@ -81,7 +81,8 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple
         return False, f"prompt below threshold ({length} < {state.threshold} tokens)"
     costs = runtime.costs
     if not costs.calibrated:
-        costs.calibrate(runtime.model, runtime.scorer.model, config.step_size)
+        costs.calibrate(runtime.model, runtime.scorer.model, config.step_size,
+                        config.draft_step_size)
     dense_hit = caches.target.find(state.tokens, dense_only=True) if caches.target else None
     draft_hit = caches.draft.find(state.tokens) if caches.draft else None
     kept = expected_kept(length, state.keep, state.protected, config.chunk_size, config.tail_tokens)
@@ -115,7 +116,7 @@ def _importance(state: RequestState, runtime: Runtime, draft: Optional[PrefixCac
     """Score the whole prompt, reusing (and refilling) the draft's prefix cache."""
     tokens = state.tokens
     hit = draft.find(tokens) if draft is not None else None
-    cut = _on_grid(hit.shared, runtime.config.step_size) if hit is not None else 0
+    cut = _on_grid(hit.shared, runtime.config.draft_step_size) if hit is not None else 0
     cache, _ = PrefixCache.restore(runtime.scorer.model, hit, cut)
     state.usage.draft_cached_tokens = cut
     started, busy = time.perf_counter(), [0.0]

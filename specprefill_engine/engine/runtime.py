@@ -8,6 +8,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import DraftScorer, Scorer
+from ..core.scoring import default_draft_step_size
 from ..loading import check_same_tokenizer, load_model
 from .batch import batching_support
 from .policy import CostModel
@@ -23,17 +24,19 @@ def default_step_size() -> int:
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine-wide settings; `keep`, `threshold` and `specprefill` can be overridden
-    per request. `step_size` None picks `default_step_size()` on the worker;
-    `kv_cache_bytes` None puts no byte limit on admitted requests' KV."""
+    per request. `step_size` (target prefill unit) and `draft_step_size` (the draft's
+    scoring chunk) None pick the device's defaults on the worker; `kv_cache_bytes`
+    None puts no byte limit on admitted requests' KV."""
 
     keep: float = 0.3
     threshold: int = 1024
     chunk_size: int = 32
     tail_tokens: int = 32
     backbone_pct: float = 0.0
-    n_lookahead: int = 8
+    n_lookahead: int = 1
     pool_kernel: int = 13
     step_size: Optional[int] = None
+    draft_step_size: Optional[int] = None
     prefix_cache_bytes: int = 1 << 30
     max_batch_size: int = 32
     kv_cache_bytes: Optional[int] = None
@@ -54,7 +57,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("step_size", "kv_cache_bytes"):
+        for name in ("step_size", "draft_step_size", "kv_cache_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
@@ -126,11 +129,13 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
     """
     if config.step_size is None:
         config = replace(config, step_size=default_step_size())
+    if config.draft_step_size is None:
+        config = replace(config, draft_step_size=default_draft_step_size())
     model, tokenizer = load_model(model_path, dtype=dtype)
     scorer = None
     if draft_path is not None:
         draft, draft_tokenizer = load_model(draft_path, dtype=dtype)
         check_same_tokenizer(tokenizer, draft_tokenizer)
-        scorer = DraftScorer(draft, config.n_lookahead, config.pool_kernel, config.step_size)
+        scorer = DraftScorer(draft, config.n_lookahead, config.pool_kernel, config.draft_step_size)
     return Runtime(model, tokenizer, scorer, config, context_length_of(model),
                    batching_support(model), kv_bytes_per_token(model), vocab_size_of(model, tokenizer))
