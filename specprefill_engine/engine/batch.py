@@ -12,6 +12,7 @@ Steps are pipelined as in mlx-lm's `generate_step`: the next forward is queued
 before the tokens of the previous one are read back.
 """
 
+from types import SimpleNamespace
 from typing import Optional
 
 import mlx.core as mx
@@ -21,6 +22,7 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, make_prompt_
 from ..core import positioned_rope
 from ..core.adapters import takes_position_ids
 from ..core.prefill import logits_of
+from .sampling import SamplingParams
 from .state import RequestState
 
 POSITIONED_CACHES = (BatchKVCache, BatchRotatingKVCache)
@@ -92,67 +94,99 @@ def batching_support(model: nn.Module) -> str:
     return ""
 
 
+# stands in for a row that has left but whose cache row is still there
+_VACANT = SimpleNamespace(processors=[], params=SamplingParams(), error=None,
+                          sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
+
+
 class DecodeBatch:
-    """The rows decoding together, their batch caches and their next input tokens."""
+    """The rows decoding together, their batch caches and their next input tokens.
+
+    A leaving row's slot stays (decoding costs no more for one row more) until half
+    the slots are vacant or a row joins: compacting copies the whole batch's KV, and
+    rows that started at different times leave at different steps.
+    """
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.rows: list[RequestState] = []
+        self.slots: list = []  # RequestState, or None once its row has left
         self.cache: Optional[list] = None
         self.inputs: Optional[mx.array] = None  # (B,) next tokens to feed, maybe not evaluated
-        self._known: list[bool] = []  # whether a row's input token was already handed out
+        self._known: list[bool] = []  # whether a slot's input token was already handed out
+        self.plain = False  # one row on its own plain cache
+
+    @property
+    def rows(self) -> list[RequestState]:
+        return [row for row in self.slots if row is not None]
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def add(self, row: RequestState, cache: list, first_token: int, shift: int) -> None:
-        """Join a row whose first token was already sampled and handed out."""
-        merged = as_batch_of_one(cache, shift)
+        """Join a row whose first token was already sampled and handed out.
+
+        A lone row at its cache's own positions decodes on its plain cache, as mlx-lm's
+        generate_step does (a batch cache's mask and per-row offsets cost ~20% per
+        token there); the batch cache takes over when a second row joins."""
+        self._compact()
         token = mx.array([first_token], dtype=mx.uint32)
         if self.cache is None:
-            self.cache, self.inputs = merged, token
+            self.plain = shift == 0
+            self.cache = cache if self.plain else as_batch_of_one(cache, shift)
+            self.inputs = token
         else:
-            for layer, other in zip(self.cache, merged):
+            if self.plain:
+                self.cache, self.plain = as_batch_of_one(self.cache, 0), False
+            for layer, other in zip(self.cache, as_batch_of_one(cache, shift)):
                 layer.extend(other)
             self.inputs = mx.concatenate([self.inputs, token])
-        self.rows.append(row)
+        self.slots.append(row)
         self._known.append(True)
 
     def step(self) -> list[tuple[RequestState, int]]:
-        """Queue one forward for every row; return the tokens sampled by the previous
+        """Queue one forward for every slot; return the tokens sampled by the previous
         step, (row, token) for each row, now that they are needed."""
         inputs = self.inputs
         logits = logits_of(self.model(inputs[:, None], cache=self.cache))[:, -1, :]
         produced = []
         if any(row.processors for row in self.rows):
             produced = self._read(inputs)  # processors see every token fed so far
-        self.inputs = sample_rows(self.rows, logits)
+        self.inputs = sample_rows([row or _VACANT for row in self.slots], logits)
         mx.async_eval(self.inputs)
         if not produced:
             produced = self._read(inputs)
-        self._known = [False] * len(self.rows)
+        self._known = [False] * len(self.slots)
         return produced
 
     def _read(self, inputs: mx.array) -> list:
         produced = []
-        for row, known, token in zip(self.rows, self._known, inputs.tolist()):
-            if not known:
+        for row, known, token in zip(self.slots, self._known, inputs.tolist()):
+            if row is not None and not known:
                 row.generated.append(token)
                 produced.append((row, token))
-        self._known = [True] * len(self.rows)
+        self._known = [True] * len(self.slots)
         return produced
 
     def extract(self, row: RequestState) -> list:
         """One row's cache as plain per-layer caches (its left padding removed)."""
-        index = self.rows.index(row)
+        if self.plain:
+            return self.cache
+        index = self.slots.index(row)
         return [layer.extract(index) for layer in self.cache]
 
     def remove(self, leaving: set) -> None:
-        """Drop rows (finished or aborted) and their cache rows."""
-        keep = [i for i, row in enumerate(self.rows) if row not in leaving]
-        if len(keep) == len(self.rows):
+        """Rows leave (finished or aborted); their cache rows go at the next compaction."""
+        self.slots = [None if row in leaving else row for row in self.slots]
+        if not self.rows:
+            self.slots, self._known, self.cache, self.inputs = [], [], None, None
+        elif 2 * self.slots.count(None) >= len(self.slots):
+            self._compact()
+
+    def _compact(self) -> None:
+        keep = [i for i, row in enumerate(self.slots) if row is not None]
+        if len(keep) == len(self.slots):
             return
-        self.rows = [self.rows[i] for i in keep]
+        self.slots = [self.slots[i] for i in keep]
         self._known = [self._known[i] for i in keep]
         if not keep:
             self.cache = self.inputs = None
