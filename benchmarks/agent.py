@@ -60,11 +60,11 @@ def run_method(name: str, args) -> list:
     return rows
 
 
-def summary(rows: list, steps: int) -> list:
+def summary(rows: list, steps: int, methods: list) -> list:
     table = []
     for step in range(1, steps + 1):
         line = {"step": step}
-        for name in METHODS:
+        for name in methods:
             picked = [r for r in rows if r["method"] == name and r["step"] == step]
             line[name] = {
                 "ttft": statistics.median(r["ttft"] for r in picked),
@@ -87,7 +87,8 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--keep", type=float, default=0.3)
-    parser.add_argument("--coverage", type=float, default=0.9, help="the reuse gate")
+    parser.add_argument("--coverage", type=float, default=0.6, help="the reuse gate")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--json", help="write rows and the per-step summary here")
     args = parser.parse_args()
     if args.target_shape:
@@ -95,8 +96,8 @@ def main():
 
         args.target = random_model_dir(args.target_shape)
         args.draft = random_model_dir(args.draft_shape, seed=1)
-    rows = [row for name in METHODS for row in run_method(name, args)]
-    table = summary(rows, args.steps)
+    rows = [row for name in args.methods for row in run_method(name, args)]
+    table = summary(rows, args.steps, args.methods)
     for line in table:
         print(json.dumps(line))
     if args.json:

@@ -43,7 +43,6 @@ def test_a_grown_prompt_reuses_the_draft_and_the_sparse_turn(session):
         assert after.usage.cached_tokens >= before.specprefill.kept_tokens
         new = after.specprefill.kept_tokens - after.usage.cached_tokens
         assert new <= after.usage.prompt_tokens - before.usage.prompt_tokens
-    assert [r.text.strip() for r in (second, third)] == list(session.answers[1:3])
 
 
 def test_a_question_about_what_the_last_turn_dropped_is_selected_anew(demo_pair):

@@ -129,12 +129,20 @@ def _importance(state: RequestState, runtime: Runtime, draft: Optional[PrefixCac
     return np.array(importance, dtype=np.float32)
 
 
-def _coverage(importance: np.ndarray, wanted: np.ndarray, held: np.ndarray) -> float:
-    """Share of the importance of the tokens the selection wants that `held` has."""
-    total = float(importance[wanted].sum())
+def _coverage(importance: np.ndarray, wanted: np.ndarray, held: np.ndarray,
+              top_share: float = 0.1, floor: int = 32) -> float:
+    """Share of the top importance mass that `held` has: over the most important
+    tenth (at least `floor` tokens) of the tokens a fresh selection would keep. A
+    question about a passage the stored selection dropped puts that passage at the
+    top, so its absence shows here rather than being averaged away."""
+    if wanted.size == 0:
+        return 1.0
+    count = min(wanted.size, max(floor, int(np.ceil(top_share * wanted.size))))
+    top = wanted[np.argsort(-importance[wanted], kind="stable")[:count]]
+    total = float(importance[top].sum())
     if total <= 0:
         return 1.0
-    return float(importance[np.intersect1d(wanted, held)].sum()) / total
+    return float(importance[np.intersect1d(top, held)].sum()) / total
 
 
 def _sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Generator:

@@ -41,7 +41,7 @@ class EngineConfig:
     max_batch_size: int = 32
     kv_cache_bytes: Optional[int] = None
     draft_prefix_cache_bytes: int = 256 << 20
-    reuse_coverage: float = 0.9
+    reuse_coverage: float = 0.6
     specprefill_margin: float = 0.1
     recent_message_cap: int = 512
 
