@@ -34,8 +34,10 @@ METHODS = {
 def run_method(name: str, args) -> list:
     settings = METHODS[name]
     rows = []
+    caches = {"prefix_cache_bytes": int(args.cache_gb * 2**30),
+              "draft_prefix_cache_bytes": int(args.cache_gb * 2**30)}
     with Engine(model=args.target, draft=args.draft, keep=args.keep,
-                reuse_coverage=args.coverage, **settings["engine"]) as engine:
+                reuse_coverage=args.coverage, **{**caches, **settings["engine"]}) as engine:
         engine.generate_sync("def warm():", max_tokens=2, specprefill=False)
         for session_index in range(args.sessions):
             session = make_agent_session(engine.tokenizer, session_index, args.tokens, args.steps)
@@ -88,6 +90,8 @@ def main():
     parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--keep", type=float, default=0.3)
     parser.add_argument("--coverage", type=float, default=0.6, help="the reuse gate")
+    parser.add_argument("--cache-gb", type=float, default=4.0,
+                        help="each prefix cache's budget (an 8B target's KV is ~0.15 MB/token)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--json", help="write rows and the per-step summary here")
     args = parser.parse_args()

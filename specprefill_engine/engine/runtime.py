@@ -37,10 +37,10 @@ class EngineConfig:
     pool_kernel: int = 13
     step_size: Optional[int] = None
     draft_step_size: Optional[int] = None
-    prefix_cache_bytes: int = 1 << 30
+    prefix_cache_bytes: int = 4 << 30
     max_batch_size: int = 32
     kv_cache_bytes: Optional[int] = None
-    draft_prefix_cache_bytes: int = 256 << 20
+    draft_prefix_cache_bytes: int = 1 << 30
     reuse_coverage: float = 0.6
     specprefill_margin: float = 0.1
     recent_message_cap: int = 512
