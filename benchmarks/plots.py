@@ -1,7 +1,9 @@
-"""PNG plots from the benchmarks' JSON: TTFT against prompt length per method, and
-accuracy against keep per prompt length.
+"""PNG plots from the benchmarks' JSON: TTFT against prompt length per method,
+accuracy against keep per prompt length, decode throughput against concurrent
+streams, and an agent loop's TTFT per step.
 
-    .venv/bin/python benchmarks/plots.py --ttft docs/ttft.json --quality docs/quality.json --out docs
+    .venv/bin/python benchmarks/plots.py --ttft docs/ttft.json --quality docs/quality.json \
+        --throughput docs/throughput-cpu.json --agent docs/agent-cpu.json --out docs
 """
 
 import argparse
@@ -62,10 +64,48 @@ def plot_quality(rows: list, path: Path, title: str) -> None:
     figure.savefig(path, dpi=120)
 
 
+def plot_throughput(rows: list, path: Path, title: str) -> None:
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    rows = [r for r in rows if "streams" in r]
+    streams = [r["streams"] for r in rows]
+    for key, label in (("engine", "engine (batched decode)"),
+                       ("mlx_lm_batch", "mlx-lm BatchGenerator")):
+        axes.plot(streams, [r[key]["tok_s"] for r in rows], marker="o", label=label)
+    single = [r for r in rows if "mlx_lm_generate_step" in r]
+    if single:
+        axes.plot([1], [single[0]["mlx_lm_generate_step"]["tok_s"]], "k^",
+                  label="mlx-lm generate_step (1 stream)")
+    axes.set(xlabel="concurrent streams", ylabel="aggregate decode tokens/s", title=title,
+             xscale="log", yscale="log")
+    axes.set_xticks(streams, [str(n) for n in streams])
+    axes.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def plot_agent(summary: list, path: Path, title: str) -> None:
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    steps = [line["step"] for line in summary]
+    methods = [k for k in summary[0] if k != "step"]
+    for method in methods:
+        axes.plot(steps, [line[method]["ttft"] for line in summary], marker="o", label=method)
+    axes.set(xlabel="agent step", ylabel="time to first token (s, median)", title=title,
+             yscale="log")
+    axes.set_xticks(steps)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ttft", nargs="*", default=[], help="ttft JSON files")
     parser.add_argument("--quality", nargs="*", default=[], help="quality JSON files")
+    parser.add_argument("--throughput", nargs="*", default=[], help="throughput JSON files")
+    parser.add_argument("--agent", nargs="*", default=[], help="agent JSON files")
     parser.add_argument("--out", default="docs")
     args = parser.parse_args(argv)
     for name in args.ttft:
@@ -74,6 +114,12 @@ def main(argv=None) -> int:
     for name in args.quality:
         source = Path(name)
         plot_quality(json.loads(source.read_text())["rows"], Path(args.out) / f"{source.stem}.png", source.stem)
+    for name in args.throughput:
+        source = Path(name)
+        plot_throughput(json.loads(source.read_text()), Path(args.out) / f"{source.stem}.png", source.stem)
+    for name in args.agent:
+        source = Path(name)
+        plot_agent(json.loads(source.read_text())["summary"], Path(args.out) / f"{source.stem}.png", source.stem)
     return 0
 
 
