@@ -89,7 +89,7 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--keep", type=float, default=0.3)
-    parser.add_argument("--coverage", type=float, default=0.6, help="the reuse gate")
+    parser.add_argument("--coverage", type=float, default=0.9, help="the reuse gate")
     parser.add_argument("--cache-gb", type=float, default=4.0,
                         help="each prefix cache's budget (an 8B target's KV is ~0.15 MB/token)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))

@@ -29,7 +29,7 @@ def run_turns(engine, session, steps, **options):
 
 
 def test_a_grown_prompt_reuses_the_draft_and_the_sparse_turn(session):
-    with Engine() as engine:
+    with Engine(reuse_coverage=0.5) as engine:  # the gate open enough for this session
         first, second, third = run_turns(engine, session, 3, specprefill=True)
         step = engine.info.step_size
     assert first.specprefill.engaged and first.usage.draft_cached_tokens == 0

@@ -42,7 +42,7 @@ class EngineConfig:
     max_batch_size: int = 32
     kv_cache_bytes: Optional[int] = None
     draft_prefix_cache_bytes: int = 1 << 30
-    reuse_coverage: float = 0.6
+    reuse_coverage: float = 0.9
     specprefill_margin: float = 0.1
     recent_message_cap: int = 512
 
