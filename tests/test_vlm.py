@@ -157,8 +157,8 @@ def test_the_engine_serves_a_vision_language_model_text_only(tmp_path):
                           prefix_cache_bytes=0) as engine:
             dense = await engine.generate(prompt, max_tokens=8, specprefill=False)
             full, sparse, dense_again = await asyncio.gather(
-                engine.generate(prompt, max_tokens=8, keep=1.0),
-                engine.generate(prompt, max_tokens=8, keep=0.3),
+                engine.generate(prompt, max_tokens=8, keep=1.0, specprefill=True),
+                engine.generate(prompt, max_tokens=8, keep=0.3, specprefill=True),
                 engine.generate(prompt, max_tokens=8, specprefill=False),
             )
         return dense, full, sparse, dense_again
@@ -167,6 +167,8 @@ def test_the_engine_serves_a_vision_language_model_text_only(tmp_path):
     assert full.specprefill.engaged and sparse.specprefill.engaged
     assert sparse.specprefill.kept_tokens < 600
     assert full.token_ids == dense.token_ids == dense_again.token_ids
+    # position-id models decode one request per forward, and say so
+    assert not sparse.specprefill.batched and "rope-delta" in sparse.specprefill.batch_reason
 
 
 def test_langchain_chat_model_accepts_a_vision_language_model(tmp_path):
@@ -175,7 +177,7 @@ def test_langchain_chat_model_accepts_a_vision_language_model(tmp_path):
     from specprefill_engine.loading import DEMO_DRAFT
 
     path = save_vlm_with_demo_tokenizer(tmp_path / "vlm")
-    llm = ChatSpecPrefill(model=str(path), draft=str(DEMO_DRAFT), max_tokens=4, threshold=64)
+    llm = ChatSpecPrefill(model=str(path), draft=str(DEMO_DRAFT), max_tokens=4, specprefill=True)
     message = llm.invoke("def main():\n    return 1\n" * 20)
     assert message.usage_metadata["output_tokens"] == 4
     assert message.response_metadata["specprefill"]["engaged"]
