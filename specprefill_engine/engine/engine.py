@@ -190,6 +190,7 @@ class Engine:
 
     def _follower_exit(self) -> None:
         logger.info("rank %d: rank 0 shut down; exiting", self.rank)
+        self._scheduler.thread.join()  # it frees its MLX state; exiting mid-call aborts
         self._finalizer.detach()
         raise SystemExit(0)
 
