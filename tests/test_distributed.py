@@ -83,6 +83,7 @@ def test_cancelled_requests_and_shutdown_leave_no_process(tmp_path):
     alone, shared, out = _run_both(tmp_path, "cancel")
     assert shared["ranks"] == 2
     assert shared["after"] == alone["after"] and shared["active_after"] == 0
+    assert shared["auto"].startswith("policy:")  # calibrated on both ranks
     _check_ranks_ended(out)
 
 

@@ -3,7 +3,8 @@
 Rank 0 answers a fixed set of requests and writes them as JSON to argv[1]; on a
 rank > 0 the engine's start serves rank 0 and exits the process when rank 0 shuts
 down, so nothing after it runs there. Each rank writes its pid to argv[1].pid<rank>.
-argv[2]: "outputs" (dense, SpecPrefill, batched, prefix-cached) or "cancel".
+argv[2]: "outputs" (dense, SpecPrefill, batched, prefix-cached) or "cancel" (a
+stream left early, a task cancelled, then requests that must still run).
 """
 
 import asyncio
@@ -61,7 +62,10 @@ async def cancel(engine) -> dict:
         pass
     after = await engine.generate(b, max_tokens=6, specprefill=False, cache_prompt=False)
     left = len(engine.active_request_ids)
-    return {"after": row(after), "active_after": left}
+    # the automatic policy calibrates the target on every rank (timings differ, so
+    # its choice is not compared with one process)
+    auto = await engine.generate(a, max_tokens=4, threshold=256, cache_prompt=False)
+    return {"after": row(after), "active_after": left, "auto": auto.specprefill.reason}
 
 
 async def main():
