@@ -118,6 +118,7 @@ def ask(engine, messages, args, expected=None) -> int:
             "timings": asdict(final.timings),
             "specprefill": asdict(final.specprefill),
             "dense_time_to_first_token": dense_ttft,
+            "ranks": engine.info.ranks,
         }
         if expected is not None:
             payload["expected"] = expected

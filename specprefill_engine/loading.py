@@ -83,11 +83,40 @@ def _load(source: str):
     return TextOnly(model.language_model), load_tokenizer(Path(source))
 
 
-def load_model(name: Optional[str] = None, default: Path = DEMO_TARGET, dtype="auto"):
-    """Return (model, tokenizer) for a path, a hub id, or the demo default."""
+def check_shardable(model: nn.Module, source: str, ranks: int) -> None:
+    """Tensor parallelism splits heads, KV heads and the MLP's width over the ranks:
+    refuse a model they do not divide (checked on the lazily loaded model, before
+    any weight is read)."""
+    if not hasattr(model, "shard"):
+        raise ModelLoadError(f"{source}: mlx-lm cannot shard this model ({type(model).__module__} "
+                             "has no shard()); run it on one machine")
+    args = getattr(model, "args", None)
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value % ranks:
+            raise ModelLoadError(f"{source}: {name} = {value} is not divisible by {ranks} "
+                                 f"ranks; the target cannot be sharded {ranks} ways")
+
+
+def _load_sharded(source: str, group):
+    """mlx-lm's lazy load, a check, then this rank's shard (`Model.shard`)."""
+    from mlx_lm import load
+
+    if is_vision_model(source):
+        raise ModelLoadError(f"{source}: vision-language models cannot run sharded")
+    model, tokenizer = load(source, lazy=True)
+    check_shardable(model, source, group.size())
+    model.shard(group)
+    return model, tokenizer
+
+
+def load_model(name: Optional[str] = None, default: Path = DEMO_TARGET, dtype="auto",
+               group=None):
+    """Return (model, tokenizer) for a path, a hub id, or the demo default; with a
+    distributed `group`, this rank's tensor-parallel shard of the model."""
     source = resolve_model_path(name, default)
     try:
-        model, tokenizer = _load(source)
+        model, tokenizer = _load(source) if group is None else _load_sharded(source, group)
     except ModelLoadError:
         raise
     except Exception as error:
@@ -101,6 +130,8 @@ def load_model(name: Optional[str] = None, default: Path = DEMO_TARGET, dtype="a
     dtype = default_dtype() if dtype == "auto" else dtype
     if dtype is not None:
         model.set_dtype(dtype)
+    if group is not None:
+        mx.eval(model.parameters())  # read this rank's weights only, once sharded
     return model, tokenizer
 
 

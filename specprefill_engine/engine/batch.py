@@ -9,7 +9,8 @@ entries yet must decode at position M + t, so its offset moves by M - N when it
 joins; no wrapper is put on the model.
 
 Steps are pipelined as in mlx-lm's `generate_step`: the next forward is queued
-before the tokens of the previous one are read back.
+before the tokens of the previous one are read back. With a sharded target (`group`)
+rank 0's sampled tokens reach the other ranks inside that same graph.
 """
 
 from types import SimpleNamespace
@@ -26,6 +27,12 @@ from .sampling import SamplingParams
 from .state import RequestState
 
 POSITIONED_CACHES = (BatchKVCache, BatchRotatingKVCache)
+
+
+def broadcast_tokens(tokens: mx.array, group) -> mx.array:
+    """Rank 0's tokens on every rank, inside the graph: the other ranks pass zeros
+    computed from their own logits, so their forward runs with the same collectives."""
+    return mx.distributed.all_sum(tokens.astype(mx.int32), group=group).astype(mx.uint32)
 
 
 def _processed(row: RequestState, logits: mx.array) -> mx.array:
@@ -107,8 +114,10 @@ class DecodeBatch:
     rows that started at different times leave at different steps.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, group=None, follower: bool = False):
         self.model = model
+        self.group = group  # a distributed group: tokens come from rank 0
+        self.follower = follower  # a rank > 0: it samples nothing, reads nothing
         self.slots: list = []  # RequestState, or None once its row has left
         self.cache: Optional[list] = None
         self.inputs: Optional[mx.array] = None  # (B,) next tokens to feed, maybe not evaluated
@@ -148,10 +157,16 @@ class DecodeBatch:
         step, (row, token) for each row, now that they are needed."""
         inputs = self.inputs
         logits = logits_of(self.model(inputs[:, None], cache=self.cache))[:, -1, :]
+        if self.follower:
+            self.inputs = broadcast_tokens(mx.argmax(logits, axis=-1) * 0, self.group)
+            mx.async_eval(self.inputs)
+            return []
         produced = []
         if any(row.processors for row in self.rows):
             produced = self._read(inputs)  # processors see every token fed so far
         self.inputs = sample_rows([row or _VACANT for row in self.slots], logits)
+        if self.group is not None:
+            self.inputs = broadcast_tokens(self.inputs, self.group)
         mx.async_eval(self.inputs)
         if not produced:
             produced = self._read(inputs)
@@ -202,8 +217,9 @@ class SoloDecode:
     positions set for that call (the prefill's per-call handling) and cleared after."""
 
     def __init__(self, model: nn.Module, row: RequestState, cache: list, first_token: int,
-                 shift: int):
+                 shift: int, group=None, follower: bool = False):
         self.model, self.row, self.cache, self.shift = model, row, cache, shift
+        self.group, self.follower = group, follower
         self.rows = [row]
         self.token = first_token
 
@@ -213,6 +229,14 @@ class SoloDecode:
     def step(self) -> list[tuple[RequestState, int]]:
         with positioned_rope(self.model, shift=self.shift):
             output = self.model(mx.array([[self.token]]), cache=self.cache)
-        self.token = sample_rows(self.rows, logits_of(output)[:, -1, :]).item()
+        logits = logits_of(output)[:, -1, :]
+        if self.follower:
+            token = broadcast_tokens(mx.argmax(logits, axis=-1) * 0, self.group)
+            self.token = token.item()
+            return []
+        token = sample_rows(self.rows, logits)
+        if self.group is not None:
+            token = broadcast_tokens(token, self.group)
+        self.token = token.item()
         self.row.generated.append(self.token)
         return [(self.row, self.token)]

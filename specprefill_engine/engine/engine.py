@@ -20,7 +20,8 @@ import numpy as np
 from ..loading import DEMO_DRAFT, DEMO_TARGET, resolve_model_path
 from .output import OutputProcessor
 from .results import Chunk, Progress, Result
-from .runtime import EngineConfig, EngineInfo, load_runtime
+from .distributed import FollowerWorker, distributed_group
+from .runtime import EngineConfig, EngineInfo, load_runtime, load_target
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .segments import protected_tokens
@@ -147,7 +148,15 @@ class Engine:
         use_draft = draft is not None or model is None
         self.draft_path = resolve_model_path(draft, DEMO_DRAFT) if use_draft else None
         paths, settings = (self.model_path, self.draft_path), self.config
-        self._scheduler = Scheduler(lambda: load_runtime(*paths, settings, dtype), _make_constraint)
+        group = distributed_group()  # under mlx.launch: the target is sharded over it
+        self.rank = group.rank() if group is not None else 0
+        self.ranks = group.size() if group is not None else 1
+        if self.rank:
+            target = self.model_path
+            self._scheduler = FollowerWorker(lambda: load_target(target, dtype, group)[0], group)
+        else:
+            self._scheduler = Scheduler(lambda: load_runtime(*paths, settings, dtype, group),
+                                        _make_constraint)
         self._start_lock = threading.Lock()
         self._started = False
         self._finalizer = weakref.finalize(self, _stop_worker, self._scheduler, 30.0)
@@ -163,18 +172,34 @@ class Engine:
         return self._scheduler.ready
 
     async def start(self) -> "Engine":
+        """Load the models. On a rank > 0 of a distributed engine this serves rank 0
+        until it shuts down, then exits the process (SystemExit(0))."""
         # the ready future cannot be cancelled: a caller's cancellation ends its own wait only
         await asyncio.wrap_future(self._ensure_started())
+        if self.rank:
+            await asyncio.wrap_future(self._scheduler.done)
+            self._follower_exit()
         return self
 
     def start_sync(self) -> "Engine":
         self._ensure_started().result()
+        if self.rank:
+            self._scheduler.done.result()
+            self._follower_exit()
         return self
+
+    def _follower_exit(self) -> None:
+        logger.info("rank %d: rank 0 shut down; exiting", self.rank)
+        self._scheduler.thread.join()  # it frees its MLX state; exiting mid-call aborts
+        self._finalizer.detach()
+        raise SystemExit(0)
 
     @property
     def info(self) -> EngineInfo:
         """Tokenizer, context length, batching support (blocks until loaded; still
         readable after shutdown)."""
+        if self.rank:
+            self.start_sync()  # a follower serves, then exits: it has no info to give
         if self._started:
             return self._scheduler.ready.result()
         return self._ensure_started().result()

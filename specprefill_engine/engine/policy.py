@@ -55,6 +55,8 @@ class CostModel:
         lengths = (256, 768) if mx.default_device() == mx.cpu else (2048, 8192)
         for which, model, step in (("target", target, step_size),
                                    ("draft", draft, draft_step_size)):
+            if model is None:  # a follower rank calibrates its target shard only
+                continue
             _timed_prefill(model, 64, step)  # warm-up: first-call costs
             for length in lengths:
                 self.observe(which, length, _timed_prefill(model, length, step))

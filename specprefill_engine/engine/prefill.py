@@ -30,6 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..core import UnsupportedModelError, chunked_prefill, select_chunks, sparse_prefill_steps
 from ..core.adapters import check_sparse_prefill_supported
 from ..core.sparse_prefill import cover_sliding_window
+from .distributed import FROM_PREFILL
 from .policy import expected_kept, predict
 from .prefix_cache import PrefixCache
 from .runtime import Runtime
@@ -81,6 +82,8 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple
         return False, f"prompt below threshold ({length} < {state.threshold} tokens)"
     costs = runtime.costs
     if not costs.calibrated:
+        if runtime.leader is not None:
+            runtime.leader.calibrate(config.step_size)
         costs.calibrate(runtime.model, runtime.scorer.model, config.step_size,
                         config.draft_step_size)
     dense_hit = caches.target.find(state.tokens, dense_only=True) if caches.target else None
@@ -99,16 +102,23 @@ def _dense(state: RequestState, runtime: Runtime, target: Optional[PrefixCache])
     step = runtime.config.step_size
     hit = target.find(state.tokens, dense_only=True) if target is not None else None
     cut = _on_grid(hit.shared, step) if hit is not None else 0
+    leader = runtime.leader
+    if leader is not None:
+        leader.restore(state.handle, hit, cut)
     cache, _ = PrefixCache.restore(runtime.model, hit, cut)
     state.usage.cached_tokens = cut
     state.report.reuse = f"dense prefix of {cut} tokens" if cut else "none"
     steps = chunked_prefill(runtime.model, mx.array(state.tokens[cut:]), cache, step)
+    if leader is not None:
+        steps = leader.prefill(state.handle, steps, state.tokens[cut:], step)
     busy = [0.0]
     logits = yield from _phase("prefill", steps, busy)
     runtime.costs.observe("target", state.tokens.size - cut, busy[0])
     state.positions = None
     if target is not None:
-        target.store(state.tokens, cache)
+        key = target.store(state.tokens, cache)
+        if leader is not None:
+            leader.stored(target, FROM_PREFILL, state.handle, key, state.tokens.size)
     return cache, logits, 0
 
 
@@ -185,6 +195,9 @@ def _sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Gene
             else:
                 reuse = (f"selected anew: a stored selection covers {coverage:.2f} of the "
                          f"shared prefix's importance (< {config.reuse_coverage}); {reuse}")
+    leader = runtime.leader
+    if leader is not None:
+        leader.restore(state.handle, hit, cut)
     cache, _ = PrefixCache.restore(runtime.model, hit, cut)
     state.usage.cached_tokens = int(before.size)
     report.reuse = reuse
@@ -192,6 +205,8 @@ def _sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Gene
     report.kept_tokens = int(before.size + kept_new.size)
     steps = sparse_prefill_steps(runtime.model, mx.array(tokens[cut:]), kept_new - cut, cache,
                                  step, cut)
+    if leader is not None:
+        steps = leader.prefill(state.handle, steps, tokens[cut:], step, kept_new - cut, cut)
     busy = [0.0]
     logits, shift = yield from _phase("prefill", steps, busy)
     runtime.costs.observe("target", int(kept_new.size), busy[0])

@@ -29,6 +29,7 @@ class Entry:
     positions: Optional[np.ndarray]  # each stored KV entry's position; None: 0..len-1
     states: list  # per layer (keys, values), positions along axis 2
     nbytes: int
+    key: int = -1  # names the entry to the other ranks of a distributed engine
 
     def dense_length(self) -> int:
         """How many leading positions are all present."""
@@ -57,6 +58,8 @@ class PrefixCache:
         self.entries: "OrderedDict[int, Entry]" = OrderedDict()
         self.total_bytes = 0
         self._next_key = 0
+        self.track = False  # record dropped keys (for the other ranks' copies)
+        self.dropped: list[int] = []
 
     def find(self, tokens: np.ndarray, dense_only: bool = False) -> Optional[Hit]:
         """The best entry for `tokens`: the longest usable shared prefix, leaving at
@@ -96,31 +99,36 @@ class PrefixCache:
         return cache, positions
 
     def store(self, tokens: np.ndarray, cache: list,
-              positions: Optional[np.ndarray] = None) -> None:
+              positions: Optional[np.ndarray] = None) -> Optional[int]:
         """Keep a cache's first entries: all of `tokens` (dense) or, with `positions`,
         one entry per listed position. The size is known from the shapes, so an
-        entry over the budget is refused before anything is copied."""
+        entry over the budget is refused before anything is copied. Returns the new
+        entry's key, None when refused."""
         count = tokens.size if positions is None else positions.size
         if not reusable(cache) or count == 0 or any(c.offset < count for c in cache):
-            return
+            return None
         states = [(c.keys[..., :count, :], c.values[..., :count, :]) for c in cache]
         size = sum(k.nbytes + v.nbytes for k, v in states)
         if size > self.max_bytes:
-            return
+            return None
         states = [(mx.contiguous(k), mx.contiguous(v)) for k, v in states]
         mx.eval(states)
         for key, entry in list(self.entries.items()):
             if entry.tokens.size <= tokens.size and entry.positions is None and \
                     positions is None and np.array_equal(entry.tokens, tokens[: entry.tokens.size]):
                 self._drop(key)  # the new dense entry covers this one
-        self.entries[self._next_key] = Entry(tokens.copy(), positions, states, size)
+        key = self._next_key
+        self.entries[key] = Entry(tokens.copy(), positions, states, size, key)
         self._next_key += 1
         self.total_bytes += size
         while self.total_bytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
+        return key
 
     def _drop(self, key: int) -> None:
         self.total_bytes -= self.entries.pop(key).nbytes
+        if self.track:
+            self.dropped.append(key)
 
     def clear(self) -> None:
         self.entries.clear()

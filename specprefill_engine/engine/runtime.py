@@ -11,6 +11,7 @@ from ..core import DraftScorer, Scorer
 from ..core.scoring import default_draft_step_size
 from ..loading import check_same_tokenizer, load_model
 from .batch import batching_support
+from .distributed import Leader
 from .policy import CostModel
 
 
@@ -78,6 +79,8 @@ class Runtime:
     kv_bytes_per_token: int
     vocab_size: int  # token ids a prompt may hold: the embedding's rows
     costs: CostModel = field(default_factory=CostModel)  # prefill costs for the policy
+    group: object = None  # the distributed group of a sharded target; None on one machine
+    leader: Optional[Leader] = None  # rank 0's command channel to the other ranks
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class EngineInfo:
     batch_reason: str
     step_size: int
     vocab_size: int
+    ranks: int = 1  # processes the target is sharded over
 
 
 def context_length_of(model: nn.Module) -> Optional[int]:
@@ -122,21 +126,37 @@ def kv_bytes_per_token(model: nn.Module) -> int:
     return total
 
 
+def load_target(model_path: str, dtype, group) -> tuple:
+    """The target (this rank's shard with a group) and what every rank learns of it
+    by running it: the same probe forwards, in the same order, on every rank."""
+    model, tokenizer = load_model(model_path, dtype=dtype, group=group)
+    return model, tokenizer, batching_support(model), kv_bytes_per_token(model)
+
+
 def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfig,
-                 dtype="auto") -> Runtime:
+                 dtype="auto", group=None) -> Runtime:
     """Load on the calling thread, which must be the engine's worker.
 
     Paths are already resolved; without a draft every request prefills densely.
+    With a distributed group this is rank 0: the target's shard, then the draft,
+    which only rank 0 holds.
     """
     if config.step_size is None:
         config = replace(config, step_size=default_step_size())
     if config.draft_step_size is None:
         config = replace(config, draft_step_size=default_draft_step_size())
-    model, tokenizer = load_model(model_path, dtype=dtype)
+    model, tokenizer, batch_reason, kv_bytes = load_target(model_path, dtype, group)
+    leader = Leader(group) if group is not None else None
     scorer = None
-    if draft_path is not None:
-        draft, draft_tokenizer = load_model(draft_path, dtype=dtype)
-        check_same_tokenizer(tokenizer, draft_tokenizer)
-        scorer = DraftScorer(draft, config.n_lookahead, config.pool_kernel, config.draft_step_size)
-    return Runtime(model, tokenizer, scorer, config, context_length_of(model),
-                   batching_support(model), kv_bytes_per_token(model), vocab_size_of(model, tokenizer))
+    try:
+        if draft_path is not None:
+            draft, draft_tokenizer = load_model(draft_path, dtype=dtype)
+            check_same_tokenizer(tokenizer, draft_tokenizer)
+            scorer = DraftScorer(draft, config.n_lookahead, config.pool_kernel,
+                                 config.draft_step_size)
+    except BaseException:
+        if leader is not None:
+            leader.shutdown()  # the other ranks wait for commands: release them
+        raise
+    return Runtime(model, tokenizer, scorer, config, context_length_of(model), batch_reason,
+                   kv_bytes, vocab_size_of(model, tokenizer), group=group, leader=leader)

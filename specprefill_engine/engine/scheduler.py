@@ -16,6 +16,7 @@ shutdown are ordered under one lock, requests still queued at shutdown end with
 finish_reason "abort", and if the thread fails every caller gets the error.
 """
 
+import itertools
 import logging
 import queue
 import threading
@@ -29,6 +30,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .batch import DecodeBatch, SoloDecode, sample_rows
+from .distributed import FROM_BATCH, FROM_SOLO, JOIN_BATCH, JOIN_DROP, JOIN_SOLO, Leader
 from .prefill import PrefixCaches, prefill_steps
 from .prefix_cache import PrefixCache, reusable
 from .results import Progress
@@ -59,8 +61,10 @@ def make_prefix_caches(runtime: Runtime) -> PrefixCaches:
     return caches
 
 
-def _keep_for_next_turn(target: PrefixCache, row: RequestState, cache: list) -> None:
+def _keep_for_next_turn(target: PrefixCache, row: RequestState, group,
+                        leader: Optional[Leader]) -> None:
     """Store a finished request's cache, prompt and reply, for an agent's next turn."""
+    cache = group.extract(row)
     prompt_entries = row.tokens.size if row.positions is None else row.positions.size
     replied = min(len(row.generated), cache[0].offset - prompt_entries)
     if replied < 0:
@@ -69,7 +73,11 @@ def _keep_for_next_turn(target: PrefixCache, row: RequestState, cache: list) -> 
     positions = row.positions
     if positions is not None:
         positions = np.concatenate([positions, row.tokens.size + np.arange(replied)])
-    target.store(tokens, cache, positions)
+    key = target.store(tokens, cache, positions)
+    if leader is not None:
+        source = FROM_SOLO if isinstance(group, SoloDecode) else FROM_BATCH
+        count = tokens.size if positions is None else positions.size
+        leader.stored(target, source, row.handle, key, count)
 
 
 class Scheduler:
@@ -90,6 +98,8 @@ class Scheduler:
         self._prefilling: Optional[RequestState] = None
         self._decoding: list = []  # DecodeBatch and SoloDecode groups
         self._reserved = 0
+        self._handles = itertools.count(1)
+        self._leader: Optional[Leader] = None  # rank 0's channel when the target is sharded
         self.runtime: Optional[Runtime] = None
 
     # caller side ---------------------------------------------------------------
@@ -126,10 +136,14 @@ class Scheduler:
             mx.clear_streams()
             return
         self.runtime = runtime  # for inspection only: never used off this thread
+        self._leader = runtime.leader
         caches = make_prefix_caches(runtime)
+        if caches.target is not None:
+            caches.target.track = runtime.leader is not None
+        ranks = runtime.group.size() if runtime.group is not None else 1
         self.ready.set_result(EngineInfo(runtime.tokenizer, runtime.context_length,
                                          not runtime.batch_reason, runtime.batch_reason,
-                                         runtime.config.step_size, runtime.vocab_size))
+                                         runtime.config.step_size, runtime.vocab_size, ranks))
         try:
             while self._turn(runtime, caches):
                 pass
@@ -138,6 +152,9 @@ class Scheduler:
             self._fail(error)
         finally:
             self._abort_all()
+            if self._leader is not None:
+                self._leader.shutdown()  # the other ranks free their shards and exit
+                self._leader = None
             self._decoding.clear()
             for store in (caches.target, caches.draft):
                 if store is not None:
@@ -158,7 +175,8 @@ class Scheduler:
         if self._prefilling is not None:
             self._prefill_unit(runtime, caches)
         for group in list(self._decoding):
-            self._decode_step(group, caches.target)
+            if group.rows:
+                self._decode_step(group, caches.target)
         self._decoding = [group for group in self._decoding if len(group.rows)]
         return True
 
@@ -203,6 +221,7 @@ class Scheduler:
         if budget is not None and running and self._reserved + need > budget:
             return  # it waits; a request alone is always admitted
         self._waiting.popleft()
+        state.handle = next(self._handles)
         state.reserved_bytes = need
         self._reserved += need
         state.start(runtime.tokenizer, self._make_constraint)
@@ -234,32 +253,44 @@ class Scheduler:
             token = sample_rows([state], logits[:, -1, :]).item()
         except Exception as error:
             state.error = error
+        leader = runtime.leader
         if state.error is not None:
+            if leader is not None:
+                leader.join(state.handle, JOIN_DROP)
             self._fail_request(state, state.error)
             return
         state.generated.append(token)
         reason = state.output.accept(token)
         if reason is not None:
+            if leader is not None:
+                leader.join(state.handle, JOIN_DROP)
             self._finish(state, reason)
             return
         state.report.batched = not runtime.batch_reason
         state.report.batch_reason = runtime.batch_reason or "decoding in the shared batch"
+        if leader is not None:
+            leader.join(state.handle, JOIN_SOLO if runtime.batch_reason else JOIN_BATCH,
+                        token, shift)
         if runtime.batch_reason:
-            self._decoding.append(SoloDecode(runtime.model, state, cache, token, shift))
+            self._decoding.append(SoloDecode(runtime.model, state, cache, token, shift,
+                                             runtime.group))
             return
         batch = next((g for g in self._decoding if isinstance(g, DecodeBatch)), None)
         if batch is None:
-            batch = DecodeBatch(runtime.model)
+            batch = DecodeBatch(runtime.model, runtime.group)
             self._decoding.append(batch)
         batch.add(state, cache, token, shift)
 
     def _decode_step(self, group, target: Optional[PrefixCache]) -> None:
+        if self._leader is not None:
+            self._leader.step(group)
         try:
             produced = group.step()
         except Exception as error:  # e.g. out of memory: these rows fail, the engine goes on
-            for row in list(group.rows):
+            rows = list(group.rows)
+            self._leave(group, set(rows))
+            for row in rows:
                 self._fail_request(row, error)
-            group.rows.clear()
             return
         finished = {}
         for row, token in produced:
@@ -269,7 +300,7 @@ class Scheduler:
         if target is not None:
             for row in finished:
                 if row.cache_prompt:
-                    _keep_for_next_turn(target, row, group.extract(row))
+                    _keep_for_next_turn(target, row, group, self._leader)
         if finished or failed:
             self._leave(group, {*finished, *failed})
         for row in failed:
@@ -277,8 +308,9 @@ class Scheduler:
         for row, reason in finished.items():
             self._finish(row, reason)
 
-    @staticmethod
-    def _leave(group, rows: set) -> None:
+    def _leave(self, group, rows: set) -> None:
+        if self._leader is not None:
+            self._leader.remove(group, rows)
         if isinstance(group, DecodeBatch):
             group.remove(rows)
         else:

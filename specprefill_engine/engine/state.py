@@ -47,6 +47,7 @@ class RequestState:
     generated: list = field(default_factory=list)  # tokens fed back so far (for processors)
     positions: Optional[np.ndarray] = None  # each prompt cache entry's position; None: all
     reserved_bytes: int = 0
+    handle: int = 0  # names the request to the other ranks of a distributed engine
     error: Optional[BaseException] = None  # set by a failed logits processor during a step
     started: Optional[float] = None
     finished: bool = False

@@ -1,0 +1,84 @@
+"""One program for every rank (run under `mlx.launch`, or alone for reference).
+
+Rank 0 answers a fixed set of requests and writes them as JSON to argv[1]; on a
+rank > 0 the engine's start serves rank 0 and exits the process when rank 0 shuts
+down, so nothing after it runs there. Each rank writes its pid to argv[1].pid<rank>.
+argv[2]: "outputs" (dense, SpecPrefill, batched, prefix-cached) or "cancel" (a
+stream left early, a task cancelled, then requests that must still run).
+"""
+
+import asyncio
+import json
+import os
+import sys
+
+from specprefill_engine import Engine
+from specprefill_engine.demo_tasks import make_case
+
+OUT = sys.argv[1]
+SCENARIO = sys.argv[2] if len(sys.argv) > 2 else "outputs"
+
+
+def prompt(tokenizer, seed: int, n_tokens: int = 700) -> list:
+    case = make_case(tokenizer, seed, n_tokens=n_tokens)
+    return case.messages
+
+
+def row(result) -> dict:
+    return {"tokens": result.token_ids, "engaged": result.specprefill.engaged,
+            "kept": result.specprefill.kept_tokens, "cached": result.usage.cached_tokens,
+            "finish": result.finish_reason}
+
+
+async def outputs(engine) -> dict:
+    a, b = prompt(engine.tokenizer, 1), prompt(engine.tokenizer, 2)
+    out = {}
+    for name, messages in (("a", a), ("b", b)):
+        out[f"{name}-dense"] = row(await engine.generate(messages, max_tokens=6, specprefill=False,
+                                                        cache_prompt=False))
+        out[f"{name}-sparse"] = row(await engine.generate(messages, max_tokens=6, specprefill=True,
+                                                         cache_prompt=False))
+    both = await asyncio.gather(engine.generate(a, max_tokens=6, specprefill=True),
+                                engine.generate(b, max_tokens=8, specprefill=False))
+    out["batched"] = [row(r) for r in both]
+    out["again"] = row(await engine.generate(b, max_tokens=6, specprefill=False))
+    return out
+
+
+async def cancel(engine) -> dict:
+    a, b = prompt(engine.tokenizer, 1), prompt(engine.tokenizer, 2)
+    chunks = []
+    async for chunk in engine.stream(a, max_tokens=200, specprefill=True, ignore_eos=True):
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            break  # aborted while decoding
+    task = asyncio.create_task(engine.generate(b, max_tokens=50, specprefill=False,
+                                               cache_prompt=False))
+    await asyncio.sleep(0.3)
+    task.cancel()  # aborted while prefilling (or early in decode)
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    after = await engine.generate(b, max_tokens=6, specprefill=False, cache_prompt=False)
+    left = len(engine.active_request_ids)
+    # the automatic policy calibrates the target on every rank (timings differ, so
+    # its choice is not compared with one process)
+    auto = await engine.generate(a, max_tokens=4, threshold=256, cache_prompt=False)
+    return {"after": row(after), "active_after": left, "auto": auto.specprefill.reason}
+
+
+async def main():
+    engine = Engine(max_batch_size=4, step_size=256)
+    with open(f"{OUT}.pid{engine.rank}", "w") as f:
+        f.write(str(os.getpid()))
+    async with engine:
+        with open(f"{OUT}.inside{engine.rank}", "w") as f:  # rank 0 only gets here
+            f.write("")
+        payload = {"ranks": engine.ranks}
+        payload.update(await (outputs if SCENARIO == "outputs" else cancel)(engine))
+    with open(OUT, "w") as f:
+        json.dump(payload, f)
+
+
+asyncio.run(main())
