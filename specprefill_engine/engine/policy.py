@@ -51,14 +51,15 @@ class CostModel:
         return a * tokens + b * tokens * tokens
 
     def calibrate(self, target, draft, step_size: int, draft_step_size: int) -> None:
-        """Two timed prefills of each model (after a warm-up), on this worker."""
+        """Two timed prefills of each model, on this worker; each length runs twice and
+        the second is kept (a GPU compiles kernels for a shape's first call)."""
         lengths = (256, 768) if mx.default_device() == mx.cpu else (2048, 8192)
         for which, model, step in (("target", target, step_size),
                                    ("draft", draft, draft_step_size)):
             if model is None:  # a follower rank calibrates its target shard only
                 continue
-            _timed_prefill(model, 64, step)  # warm-up: first-call costs
             for length in lengths:
+                _timed_prefill(model, length, step)
                 self.observe(which, length, _timed_prefill(model, length, step))
         self.calibrated = True
 
