@@ -17,7 +17,9 @@ import numpy as np
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
-from .core import cleanup_rope, score_tokens, select_chunks, sparse_prefill
+from .core import (
+    chunked_prefill, cleanup_rope, run_steps, score_tokens, select_chunks, sparse_prefill,
+)
 from .core.selection import effective_chunk_size, forced_tokens
 from .demo_tasks import KINDS, make_case
 from .engine import Engine
@@ -122,11 +124,8 @@ def _greedy(model, logits, cache, n: int, eos: set) -> list:
 
 def dense_answer(model, ids, n: int, eos: set, step_size: int = 2048) -> list:
     cache = make_prompt_cache(model)
-    tokens = mx.array(ids)
-    for start in range(0, tokens.size - 1, step_size):
-        model(tokens[start : min(start + step_size, tokens.size - 1)][None], cache=cache)
-        mx.eval([c.state for c in cache])
-    return _greedy(model, model(tokens[-1:][None], cache=cache)[:, -1], cache, n, eos)
+    logits = run_steps(chunked_prefill(model, mx.array(ids), cache, step_size))
+    return _greedy(model, logits[:, -1], cache, n, eos)
 
 
 def sparse_answer(model, ids, kept, n: int, eos: set, step_size: int = 2048) -> list:
