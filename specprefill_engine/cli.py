@@ -103,11 +103,12 @@ def ask(engine, messages, args, expected=None) -> int:
     """Answer, then print a one-line summary (or JSON)."""
     try:
         text, final = answer(engine, messages, args)
-        dense_ttft = None
+        dense_ttft, dense_cached = None, None
         if args.compare:  # cold: the answer's own prefill may sit in the prefix cache
             dense = engine.generate_sync(messages, max_tokens=1, specprefill=False,
                                          cache_prompt=False)
             dense_ttft = dense.timings.time_to_first_token
+            dense_cached = dense.usage.cached_tokens
     except (ValueError, TypeError) as error:  # the request was refused before it ran
         raise UsageError(str(error)) from None
     if args.json:
@@ -118,6 +119,7 @@ def ask(engine, messages, args, expected=None) -> int:
             "timings": asdict(final.timings),
             "specprefill": asdict(final.specprefill),
             "dense_time_to_first_token": dense_ttft,
+            "dense_cached_tokens": dense_cached,
             "ranks": engine.info.ranks,
         }
         if expected is not None:

@@ -7,15 +7,18 @@ the loop ends on its own.
 """
 
 import asyncio
+import sys
+from pathlib import Path
 
 import pytest
-from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage
 from langchain_core.tools import tool
 
 from langchain_specprefill import ChatSpecPrefill
 
 agents = pytest.importorskip("langchain.agents")
-from langchain.agents.middleware import AgentMiddleware  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+from streaming_agent import LookUpFirst  # noqa: E402  (the example's own middleware)
 
 calls = []
 
@@ -25,22 +28,6 @@ def get_weather(location: str) -> str:
     """Get the weather at a location."""
     calls.append(location)
     return f"It is sunny in {location}."
-
-
-class LookUpFirst(AgentMiddleware):
-    """Force a tool call until the conversation holds a tool result."""
-
-    @staticmethod
-    def _forced(request):
-        if any(isinstance(m, ToolMessage) for m in request.messages):
-            return request
-        return request.override(tool_choice="any")
-
-    def wrap_model_call(self, request, handler):
-        return handler(self._forced(request))
-
-    async def awrap_model_call(self, request, handler):
-        return await handler(self._forced(request))
 
 
 def build_agent():

@@ -69,15 +69,23 @@ def _on_grid(length: int, step_size: int) -> int:
 
 
 def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple[bool, str]:
-    """The request's choice, else the automatic policy: the threshold as a floor,
-    then engage only where the predicted gain beats the margin."""
+    """The request's choice, unless too little is left after a cached prefix; else the
+    automatic policy: the threshold as a floor, then engage only where the predicted
+    gain beats the margin."""
     if state.specprefill is False:
         return False, "disabled for this request"
     if runtime.scorer is None:
         return False, "no draft model configured"
+    length, config = state.tokens.size, runtime.config
+    dense_hit = caches.target.find(state.tokens, dense_only=True) if caches.target else None
+    floor = config.chunk_size + config.tail_tokens
+    if state.specprefill is None:
+        floor = max(floor, state.threshold)
+    if dense_hit is not None and length - dense_hit.shared < floor:  # not worth the draft
+        return False, (f"only {length - dense_hit.shared} tokens to prefill after a cached "
+                       f"prefix: too few to sparsify (< {floor}); dense, not scored")
     if state.specprefill:
         return True, "requested"
-    length, config = state.tokens.size, runtime.config
     if length < state.threshold:
         return False, f"prompt below threshold ({length} < {state.threshold} tokens)"
     costs = runtime.costs
@@ -86,7 +94,6 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple
             runtime.leader.calibrate(config.step_size)
         costs.calibrate(runtime.model, runtime.scorer.model, config.step_size,
                         config.draft_step_size)
-    dense_hit = caches.target.find(state.tokens, dense_only=True) if caches.target else None
     draft_hit = caches.draft.find(state.tokens) if caches.draft else None
     kept = expected_kept(length, state.keep, state.protected, config.chunk_size, config.tail_tokens)
     prediction = predict(costs, length, dense_hit.shared if dense_hit else 0,
@@ -222,16 +229,6 @@ def prefill_steps(state: RequestState, runtime: Runtime, caches: PrefixCaches) -
     if not state.cache_prompt:
         caches = PrefixCaches()
     report.engaged, report.reason = decide(state, runtime, caches)
-    if report.engaged and caches.target is not None:
-        hit = caches.target.find(state.tokens, dense_only=True)
-        left = state.tokens.size - hit.shared if hit else 0
-        floor = runtime.config.chunk_size + runtime.config.tail_tokens
-        if state.specprefill is None:
-            floor = max(floor, state.threshold)
-        if hit is not None and left < floor:  # not worth the draft's time
-            report.engaged = False
-            report.reason = (f"only {left} tokens to prefill after a cached prefix: "
-                             f"too few to sparsify (< {floor}); dense, not scored")
     if report.engaged:
         try:
             return (yield from _sparse(state, runtime, caches))
