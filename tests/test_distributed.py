@@ -5,7 +5,8 @@ Each test starts `mlx.launch --backend ring -n 2` on `tests/distributed/run_engi
 (or the CLI) and compares with the same program run as one process. Sharding splits
 the attention output and MLP reductions into an all_sum of two float32 partial sums;
 greedy tokens are compared exactly (they agree on these prompts; the logits may differ
-in the last bits, which this test does not assert on).
+in the last bits, which this test does not assert on). A target that cannot batch
+decode (dynamic NTK RoPE) runs the same way, each request in its own SoloDecode.
 """
 
 import json
@@ -52,10 +53,10 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")  # exited, not yet reaped by its (gone) parent
 
 
-def _run_both(tmp_path: Path, scenario: str) -> tuple[dict, dict, Path]:
+def _run_both(tmp_path: Path, scenario: str, *extra) -> tuple[dict, dict, Path]:
     alone, shared = tmp_path / "alone.json", tmp_path / "ranks.json"
-    _alone([PROGRAM, alone, scenario])
-    done = _launch([PROGRAM, shared, scenario])
+    _alone([PROGRAM, alone, scenario, *extra])
+    done = _launch([PROGRAM, shared, scenario, *extra])
     assert "exited with code" not in done.stderr, done.stderr[-3000:]
     assert shared.exists(), done.stderr[-3000:]
     return json.loads(alone.read_text()), json.loads(shared.read_text()), shared
@@ -84,6 +85,31 @@ def test_cancelled_requests_and_shutdown_leave_no_process(tmp_path):
     assert shared["ranks"] == 2
     assert shared["after"] == alone["after"] and shared["active_after"] == 0
     assert shared["auto"].startswith("policy:")  # calibrated on both ranks
+    _check_ranks_ended(out)
+
+
+@needs_launch
+def test_a_target_that_cannot_batch_decodes_alone_on_every_rank(tmp_path):
+    """Dynamic NTK RoPE (llama, rope_scaling "dynamic"): no batched decode, so every
+    request decodes in its own SoloDecode, announced and replayed step by step."""
+    from models import ROPE_CASES, save_with_demo_tokenizer
+
+    model_type, overrides = ROPE_CASES["dynamic-ntk"]
+    # untied embeddings: the tied random model repeats one token whatever it is given
+    case = (model_type, {**overrides, "tie_word_embeddings": False})
+    target = save_with_demo_tokenizer(case, tmp_path / "dynamic")  # 4 heads, 2 KV, MLP 128
+    alone, shared, out = _run_both(tmp_path, "solo", target)
+    assert (alone.pop("ranks"), shared.pop("ranks")) == (1, 2)
+    assert shared == alone  # tokens, kept counts, prefix-cache reuse, batch reasons
+    assert shared["batch_reason"]
+    rows = [shared["dense"], shared["sparse"], *shared["together"], shared["again"],
+            shared["again-sparse"], shared["after-abort"]]
+    assert not any(r["batched"] for r in rows)
+    assert shared["sparse"]["engaged"] and shared["sparse"]["kept"] < shared["dense"]["kept"]
+    assert len({tuple(r["tokens"]) for r in rows}) > 2  # outputs that tell positions apart
+    assert shared["again"]["cached"] > 0  # stored from a solo decode on every rank
+    assert shared["again-sparse"]["cached"] > 0
+    assert shared["active_after"] == 0  # the stream left early was released everywhere
     _check_ranks_ended(out)
 
 

@@ -3,8 +3,11 @@
 Rank 0 answers a fixed set of requests and writes them as JSON to argv[1]; on a
 rank > 0 the engine's start serves rank 0 and exits the process when rank 0 shuts
 down, so nothing after it runs there. Each rank writes its pid to argv[1].pid<rank>.
-argv[2]: "outputs" (dense, SpecPrefill, batched, prefix-cached) or "cancel" (a
-stream left early, a task cancelled, then requests that must still run).
+argv[2]: "outputs" (dense, SpecPrefill, batched, prefix-cached), "cancel" (a
+stream left early, a task cancelled, then requests that must still run) or "solo"
+(the target at argv[3], one that cannot batch decode, with the demo draft: dense,
+SpecPrefill, two at once, prefix-cached, a stream left early; every request decodes
+on its own).
 """
 
 import asyncio
@@ -14,9 +17,11 @@ import sys
 
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_case
+from specprefill_engine.loading import DEMO_DRAFT
 
 OUT = sys.argv[1]
 SCENARIO = sys.argv[2] if len(sys.argv) > 2 else "outputs"
+TARGET = sys.argv[3] if len(sys.argv) > 3 else None
 
 
 def prompt(tokenizer, seed: int, n_tokens: int = 700) -> list:
@@ -68,15 +73,49 @@ async def cancel(engine) -> dict:
     return {"after": row(after), "active_after": left, "auto": auto.specprefill.reason}
 
 
+async def solo(engine) -> dict:
+    a, b = prompt(engine.tokenizer, 1), prompt(engine.tokenizer, 2)
+
+    def solo_row(result) -> dict:
+        return {**row(result), "batched": result.specprefill.batched}
+
+    out = {"batch_reason": engine.info.batch_reason}
+    for name, sparse in (("dense", False), ("sparse", True)):
+        out[name] = solo_row(await engine.generate(a, max_tokens=6, specprefill=sparse,
+                                                   cache_prompt=False))
+    # two requests decoding side by side, each its own forward per step; both stored
+    both = await asyncio.gather(engine.generate(a, max_tokens=6, specprefill=True),
+                                engine.generate(b, max_tokens=8, specprefill=False))
+    out["together"] = [solo_row(r) for r in both]
+    out["again"] = solo_row(await engine.generate(b, max_tokens=6, specprefill=False))
+    out["again-sparse"] = solo_row(await engine.generate(a, max_tokens=6, specprefill=True))
+    chunks = 0
+    async for _ in engine.stream(b, max_tokens=200, specprefill=True, ignore_eos=True,
+                                 cache_prompt=False):
+        chunks += 1
+        if chunks == 3:
+            break  # a solo decode aborted: released on every rank
+    out["after-abort"] = solo_row(await engine.generate(b, max_tokens=6, specprefill=True,
+                                                        cache_prompt=False))
+    out["active_after"] = len(engine.active_request_ids)
+    return out
+
+
+SCENARIOS = {"outputs": outputs, "cancel": cancel, "solo": solo}
+
+
 async def main():
-    engine = Engine(max_batch_size=4, step_size=256)
+    if SCENARIO == "solo":
+        engine = Engine(model=TARGET, draft=str(DEMO_DRAFT), max_batch_size=4, step_size=256)
+    else:
+        engine = Engine(max_batch_size=4, step_size=256)
     with open(f"{OUT}.pid{engine.rank}", "w") as f:
         f.write(str(os.getpid()))
     async with engine:
         with open(f"{OUT}.inside{engine.rank}", "w") as f:  # rank 0 only gets here
             f.write("")
         payload = {"ranks": engine.ranks}
-        payload.update(await (outputs if SCENARIO == "outputs" else cancel)(engine))
+        payload.update(await SCENARIOS[SCENARIO](engine))
     with open(OUT, "w") as f:
         json.dump(payload, f)
 
