@@ -6,6 +6,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
 import mlx.core as mx
 from mlx_lm.models import qwen3
 from mlx_lm.utils import save_config, save_model

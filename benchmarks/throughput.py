@@ -20,6 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
+import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator, generate_step

@@ -58,7 +58,7 @@ async def test_eight_mixed_requests_batched_equal_each_run_alone():
         together = await submit_in_order(batch_engine, requests)
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert all(r.specprefill.batched for r in together)
-    assert together[3].usage.cached_tokens > 500  # the dense request reused the prefix
+    assert together[3].usage.cached_tokens > 450  # reused the prefix, cut to the chunk grid
     assert together[5].specprefill.engaged and together[1].specprefill.engaged
 
 

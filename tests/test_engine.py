@@ -125,7 +125,7 @@ async def test_growing_chat_reuses_the_prefix():
                          {"role": "user", "content": "What is the secret passkey?"}]
         second = await cached.generate(turn2, max_tokens=8, specprefill=False)
         baseline = await plain.generate(turn2, max_tokens=8, specprefill=False)
-        assert second.usage.cached_tokens > 500
+        assert second.usage.cached_tokens > 450  # cut to the chunk grid: 256, 488, 702, ...
         assert baseline.usage.cached_tokens == 0
         assert second.token_ids == baseline.token_ids
 

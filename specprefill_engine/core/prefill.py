@@ -1,7 +1,11 @@
 """The one chunked-prefill routine: dense or sparse, target or draft.
 
-Tokens go through the model `step_size` at a time, each chunk in its own forward
-call so a scheduler can interleave other work between chunks. With `positions`
+Tokens go through the model a chunk at a time, each chunk in its own forward call
+so a scheduler can interleave other work between chunks. A chunk's cost grows with
+the entries already cached (attention), so chunks are cost-balanced: the first is
+`step_size` tokens and later ones shrink so that each costs about as many FLOPs
+(`unit_tokens`); a rest of at most a quarter chunk joins the last one. Chunk ends depend only on the cache's length, never on load, so a
+prompt's KV is the same whatever else runs. With `positions`
 (sparse prefill: the kept tokens' original positions) every call gets its own
 position handling, removed right after it (see `positions.py`); without, the call
 still resets whatever state another request's call may have left on a shared model
@@ -15,6 +19,48 @@ import mlx.nn as nn
 import numpy as np
 
 from .adapters import takes_position_ids
+
+_CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "intermediate_size", "vocab_size")
+
+
+def unit_weight(model: nn.Module) -> float:
+    """Attention FLOPs per cached entry, relative to the linear FLOPs, per token:
+    a token attending to s entries costs (1 + weight * s) times a token at s = 0.
+    From the model's config (the same on every rank of a sharded model); 0 (chunks
+    of fixed size) when the config lacks a field."""
+    args = getattr(model, "args", None)
+    values = [getattr(args, name, None) for name in _CONFIG_FIELDS]
+    if not all(isinstance(v, int) and v > 0 for v in values):
+        return 0.0
+    hidden, layers, heads, intermediate, vocab = values
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    head_dim = getattr(args, "head_dim", None) or hidden // heads
+    linear = layers * (hidden * head_dim * 2 * (heads + kv_heads) + 3 * hidden * intermediate)
+    linear += hidden * vocab
+    return 2 * layers * heads * head_dim / linear  # QK^T and AV: 4*H*D per layer; linear: 2*params
+
+
+def unit_tokens(step_size: int, cached: int, weight: float) -> int:
+    """Tokens in the chunk that starts after `cached` entries: n with
+    n * (1 + weight * (cached + n / 2)) = step_size * (1 + weight * step_size / 2)."""
+    if weight <= 0:
+        return step_size
+    budget = step_size * (1 + weight * step_size / 2)
+    linear = 1 + weight * cached
+    n = (-linear + (linear * linear + 2 * weight * budget) ** 0.5) / weight
+    return max(1, min(step_size, int(n)))
+
+
+def grid_cut(length: int, step_size: int, weight: float) -> int:
+    """The last chunk end at or below `length` when prefilling from 0: a cached prefix
+    cut there is continued in the same chunks as from scratch (bit-identical KV)."""
+    end = 0
+    while True:
+        nxt = end + unit_tokens(step_size, end, weight)
+        if nxt > length:
+            return end
+        end = nxt
 from .positions import position_runs, positioned_rope
 
 
@@ -41,20 +87,26 @@ def chunked_prefill(
     step_size: int,
     positions: Optional[np.ndarray] = None,
     want_logits: bool = True,
+    balanced: bool = True,
 ) -> Generator[tuple, None, Optional[mx.array]]:
     """Feed `tokens` in chunks, yielding (tokens done, tokens) after each.
 
     Returns the last token's logits, shape (1, 1, vocab), or None when
     `want_logits` is False (only the cache is wanted, e.g. a draft before its
     lookahead). `positions`, when given, holds each token's absolute position.
+    `balanced` False keeps every chunk at `step_size` tokens (a draft scoring alone).
     """
     if step_size < 1:
         raise ValueError(f"step_size must be >= 1, got {step_size}")
     tokens = tokens.reshape(-1)
     total = tokens.size
-    logits = None
-    for start in range(0, total, step_size):
-        end = min(start + step_size, total)
+    weight = unit_weight(model) if balanced else 0.0
+    cached = next((c.offset for c in cache if isinstance(getattr(c, "offset", None), int)), 0)
+    logits, start = None, 0
+    while start < total:
+        end = start + unit_tokens(step_size, cached + start, weight)
+        if balanced and total - end <= (end - start) // 4:  # a small rest joins this chunk
+            end = total
         chunk_positions = None if positions is None else positions[start:end]
         output = _forward(model, tokens[start:end][None], cache, chunk_positions)
         if want_logits and end == total:
@@ -63,4 +115,5 @@ def chunked_prefill(
         else:
             mx.eval([c.state for c in cache])
         yield end, total
+        start = end
     return logits

@@ -200,7 +200,7 @@ def score_steps(
     n_chunks = -(-(last_start - cached) // step_size) + 1
     done, total = 0, n_chunks + (n_lookahead - 1) + 1
     for _ in chunked_prefill(draft_model, tokens[cached:last_start], cache, step_size,
-                             want_logits=False):
+                             want_logits=False, balanced=False):
         done += 1
         yield done, total
 

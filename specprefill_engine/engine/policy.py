@@ -58,18 +58,20 @@ class CostModel:
                                    ("draft", draft, draft_step_size)):
             if model is None:  # a follower rank calibrates its target shard only
                 continue
+            balanced = which == "target"  # as each model prefills in the engine
             for length in lengths:
-                _timed_prefill(model, length, step)
-                self.observe(which, length, _timed_prefill(model, length, step))
+                _timed_prefill(model, length, step, balanced)
+                self.observe(which, length, _timed_prefill(model, length, step, balanced))
         self.calibrated = True
 
 
-def _timed_prefill(model, length: int, step_size: int) -> float:
+def _timed_prefill(model, length: int, step_size: int, balanced: bool) -> float:
     tokens = mx.array(np.arange(length) % 1000 + 10, dtype=mx.int32)
     cache = make_prompt_cache(model)
     mx.synchronize()
     started = time.perf_counter()
-    for _ in chunked_prefill(model, tokens, cache, step_size, want_logits=False):
+    for _ in chunked_prefill(model, tokens, cache, step_size, want_logits=False,
+                             balanced=balanced):
         pass
     mx.synchronize()
     return time.perf_counter() - started

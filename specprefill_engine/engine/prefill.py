@@ -28,6 +28,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import UnsupportedModelError, chunked_prefill, select_chunks, sparse_prefill_steps
+from ..core.prefill import grid_cut, unit_weight
 from ..core.adapters import check_sparse_prefill_supported
 from ..core.sparse_prefill import cover_sliding_window
 from .distributed import FROM_PREFILL
@@ -60,12 +61,6 @@ def _phase(name: str, steps: Generator, busy: Optional[list] = None) -> Generato
             if busy is not None:
                 busy[0] += time.perf_counter() - started
         yield name, done, total
-
-
-def _on_grid(length: int, step_size: int) -> int:
-    """Reuse cut to the prefill chunk grid, so the rest is computed in the same
-    chunks as from scratch (bit-identical KV)."""
-    return (length // step_size) * step_size
 
 
 def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple[bool, str]:
@@ -108,7 +103,7 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple
 def _dense(state: RequestState, runtime: Runtime, target: Optional[PrefixCache]) -> Generator:
     step = runtime.config.step_size
     hit = target.find(state.tokens, dense_only=True) if target is not None else None
-    cut = _on_grid(hit.shared, step) if hit is not None else 0
+    cut = grid_cut(hit.shared, step, unit_weight(runtime.model)) if hit is not None else 0
     leader = runtime.leader
     if leader is not None:
         leader.restore(state.handle, hit, cut)
@@ -133,7 +128,7 @@ def _importance(state: RequestState, runtime: Runtime, draft: Optional[PrefixCac
     """Score the whole prompt, reusing (and refilling) the draft's prefix cache."""
     tokens = state.tokens
     hit = draft.find(tokens) if draft is not None else None
-    cut = _on_grid(hit.shared, runtime.config.draft_step_size) if hit is not None else 0
+    cut = grid_cut(hit.shared, runtime.config.draft_step_size, 0.0) if hit is not None else 0
     cache, _ = PrefixCache.restore(runtime.scorer.model, hit, cut)
     state.usage.draft_cached_tokens = cut
     started, busy = time.perf_counter(), [0.0]
@@ -186,7 +181,7 @@ def _sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Gene
             # is the first dropped position
             dropped = np.flatnonzero(selected != np.arange(selected.size))
             first_dropped = int(dropped[0]) if dropped.size else int(selected.size)
-            cut = _on_grid(min(dense_hit.shared, first_dropped), step)
+            cut = grid_cut(min(dense_hit.shared, first_dropped), step, unit_weight(runtime.model))
             hit, before = dense_hit, np.arange(cut)
             reuse = f"dense prefix of {cut} tokens" if cut else "none"
         sparse_hit = target.find(tokens)
