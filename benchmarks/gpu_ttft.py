@@ -1,14 +1,17 @@
 """TTFT at realistic sizes on a GPU: random-weight Qwen3-shaped models (a 0.6B draft,
 an 8B target), bfloat16. Every row of a length is measured side by side in one run:
 
-- dense: the target's chunked prefill of the whole prompt (2048-token chunks, the
-  engine's GPU step) to the first token's logits; mlx-lm's own generate_step;
+- dense: the target's chunked prefill of the whole prompt (the engine's GPU step,
+  2048-token cost-balanced chunks) to the first token's logits; the same with fixed
+  2048-token chunks; mlx-lm's own generate_step;
 - draft prefill: the draft's own dense prefill of the prompt, at the scoring chunk size;
 - scoring: `score_tokens` as configured (`--lookahead`, `--window`, `--draft-step`);
 - per keep: dense prefill of N contiguous tokens (N = the kept count), sparse prefill of
   the N kept tokens (one RoPE call per layer) and, for comparison, the same with RoPE
   called once per run of kept tokens (the old path), SpecPrefill end to end (score,
   select, sparse prefill, first token) and the ideal t(draft prefill) + t(dense N);
+- the automatic policy's choice for each length and keep (`specprefill=None`): the
+  engine's own calibration on these models and its prediction, next to the measured gain;
 - vllm-mlx 0.6.0 on the same prompts and keeps (`--peer-site`).
 
 Random weights make the selection meaningless but the timing real. `--json` keeps rows.
@@ -24,6 +27,7 @@ import sys
 import time
 from unittest import mock
 
+import specprefill_engine  # noqa: F401  (optimized BLAS before MLX on a CPU)
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen3
@@ -70,10 +74,30 @@ def timed(fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def dense(model, tokens, step=STEP):
-    """The chunked-prefill routine, dense, to the last token's logits."""
+def dense(model, tokens, step=STEP, balanced=True):
+    """The chunked-prefill routine, dense, to the last token's logits: cost-balanced
+    chunks as the engine prefills a target, fixed ones as scoring prefills a draft."""
     cache = make_prompt_cache(model)
-    mx.eval(run_steps(chunked_prefill(model, tokens, cache, step)))
+    mx.eval(run_steps(chunked_prefill(model, tokens, cache, step, balanced=balanced)))
+
+
+def policy_choices(target, draft, lengths, keeps) -> dict:
+    """What the engine's automatic policy (specprefill=None) would choose, from its
+    own calibration on these models (as the engine runs it at first use)."""
+    from specprefill_engine.engine.policy import CostModel, expected_kept, predict
+    from specprefill_engine.engine.runtime import EngineConfig
+
+    config, costs = EngineConfig(), CostModel()
+    costs.calibrate(target, draft, STEP, 8192)
+    choices = {}
+    for length in lengths:
+        for keep in keeps:
+            kept = expected_kept(length, keep, None, config.chunk_size, config.tail_tokens)
+            prediction = predict(costs, length, 0, 0, kept)
+            engaged = length >= config.threshold and \
+                prediction.gain >= 1 + config.specprefill_margin
+            choices[(length, keep)] = (engaged, prediction)
+    return choices
 
 
 def mlx_lm_first_token(model, tokens):
@@ -117,6 +141,7 @@ def main(argv=None) -> int:
           f"draft chunks {args.draft_step}; medians of {args.runs} after a warm-up", flush=True)
     target, draft = build(args.target, args.vocab), build(args.draft, args.vocab)
     rows = []
+    choices = policy_choices(target, draft, args.lengths, args.keeps)
 
     def row(length, method, seconds, **extra):
         rows.append({"length": length, "method": method, "ttft": seconds, **extra})
@@ -130,12 +155,14 @@ def main(argv=None) -> int:
         dense_s = timed(lambda: dense(target, tokens), args.runs)
         row(length, "dense target prefill", dense_s, per_token_ms=1e3 * dense_s / length)
         row(length, "mlx-lm generate_step", timed(lambda: mlx_lm_first_token(target, tokens), args.runs))
-        draft_s = timed(lambda: dense(draft, tokens, args.draft_step), args.runs)
+        row(length, f"dense target prefill, fixed {STEP} chunks",
+            timed(lambda: dense(target, tokens, balanced=False), args.runs))
+        draft_s = timed(lambda: dense(draft, tokens, args.draft_step, False), args.runs)
         row(length, f"draft prefill ({args.draft_step} chunks)", draft_s,
             per_token_ms=1e3 * draft_s / length, r=draft_s / dense_s)
         if args.draft_step != STEP:
             row(length, f"draft prefill ({STEP} chunks)",
-                timed(lambda: dense(draft, tokens, STEP), args.runs))
+                timed(lambda: dense(draft, tokens, STEP, False), args.runs))
 
         def score(lookahead=args.lookahead, window=args.window, step=args.draft_step):
             return score_tokens(draft, tokens, n_lookahead=lookahead, n_window=window,
@@ -165,8 +192,11 @@ def main(argv=None) -> int:
 
             total = timed(specprefill, args.runs)
             ideal = draft_s + dense_n
+            engaged, prediction = choices[(length, keep)]
             row(length, f"SpecPrefill keep {keep}", total, keep=keep, kept=n,
-                speedup=dense_s / total, ideal_s=ideal, vs_ideal=total / ideal)
+                speedup=dense_s / total, ideal_s=ideal, vs_ideal=total / ideal,
+                policy="SpecPrefill" if engaged else "dense",
+                predicted_speedup=prediction.gain)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"rows": rows}, f, indent=1)

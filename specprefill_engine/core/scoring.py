@@ -206,8 +206,11 @@ def score_steps(
 
     logits, window = _forward_capturing_queries(
         draft_model, tokens[last_start:], cache, sites, keep_last=n_window)
-    token = _next_token(logits, temperature)
-    mx.eval(token, window)
+    if n_lookahead > 1:
+        token = _next_token(logits, temperature)
+        mx.eval(token, window)
+    else:  # no decode step follows: the chunk's logits (its lm_head) are never computed
+        mx.eval(window)
     queries = [[query] for query in window]
     done += 1
     yield done, total
