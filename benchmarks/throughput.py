@@ -5,9 +5,18 @@ For 1, 4, 16 and 32 concurrent requests (512-token prompts, 128 new tokens each,
 greedy, EOS ignored so every request makes all its tokens): aggregate decode
 tokens/s in the steady window (from the moment every request has its first token
 to the end) and p50 / p99 inter-token latency in that window; mlx-lm's `BatchGenerator` (what
-`batch_generate` runs) and, for one stream, `generate_step`. Then the longest gap
-a decoding stream sees while another request prefills 8K tokens, against the
-median scheduler turn of that prefill.
+`batch_generate` runs) and, for one stream, `generate_step`. Single runs are noisy
+on a small CPU, so each stream count runs `--repeats` times, the engine and mlx-lm
+alternating, and the row reports the medians (the per-repeat tokens/s in `tok_s_runs`).
+
+Besides `tok_s` (steady window to the last token), each side reports
+`tok_s_concurrent`, the window in which all N requests decode (from the last first
+token to the first last token), and `e2e_tok_s`, every generated token over the
+whole run from submission (prefill included). The engine prefills one request at a
+time between decode steps, so its requests start staggered and the end of the
+steady window has fewer than N streams; mlx-lm prefills them together.
+Then the longest gap a decoding stream sees while another request prefills 8K
+tokens, against the median scheduler turn of that prefill.
 
     .venv/bin/python benchmarks/throughput.py                       # CPU, demo target
     python benchmarks/throughput.py --shape qwen3-8b --json out.json  # GPU, random weights
@@ -35,21 +44,38 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list:
     return [rng.integers(10, vocab, length).tolist() for _ in range(n)]
 
 
-def window_stats(stamps: list) -> dict:
+def window_stats(stamps: list, submitted: float) -> dict:
     """stamps: per request, the arrival time of each token. Steady window: from the
-    last request's first token to the last token of all."""
+    last request's first token to the last token of all; concurrent window: to the
+    first request's last token."""
     start = max(s[0] for s in stamps)
     end = max(s[-1] for s in stamps)
+    first_end = min(s[-1] for s in stamps)
     tokens = sum(sum(1 for t in s if t > start) for s in stamps)
+    together = sum(sum(1 for t in s if start < t <= first_end) for s in stamps)
     steady = [np.asarray([t for t in s if t >= start]) for s in stamps]
     gaps = np.concatenate([np.diff(s) for s in steady if len(s) > 1])
     return {"tok_s": tokens / max(end - start, 1e-9),
             "itl_p50_ms": float(np.percentile(gaps, 50) * 1e3),
-            "itl_p99_ms": float(np.percentile(gaps, 99) * 1e3)}
+            "itl_p99_ms": float(np.percentile(gaps, 99) * 1e3),
+            "tok_s_concurrent": together / max(first_end - start, 1e-9),
+            "e2e_tok_s": sum(len(s) for s in stamps) / max(end - submitted, 1e-9)}
+
+
+KEYS = ("tok_s", "itl_p50_ms", "itl_p99_ms", "tok_s_concurrent", "e2e_tok_s")
+
+
+def medians(runs: list) -> dict:
+    """The median of each measure over the repeats, and the repeats' tokens/s."""
+    row = {key: statistics.median(run[key] for run in runs) for key in KEYS}
+    row["tok_s_runs"] = [run["tok_s"] for run in runs]
+    row["tok_s_concurrent_runs"] = [run["tok_s_concurrent"] for run in runs]
+    return row
 
 
 async def engine_run(engine, batch: list, new_tokens: int) -> dict:
     stamps = [[] for _ in batch]
+    submitted = time.perf_counter()
 
     async def one(index, ids):
         async for _ in engine.stream(ids, max_tokens=new_tokens, ignore_eos=True,
@@ -59,12 +85,13 @@ async def engine_run(engine, batch: list, new_tokens: int) -> dict:
     await asyncio.gather(*(one(i, ids) for i, ids in enumerate(batch)))
     for s in stamps:  # the last chunk carries no token: drop its stamp
         s.pop()
-    return window_stats(stamps)
+    return window_stats(stamps, submitted)
 
 
 def mlx_lm_batch_run(model, batch: list, new_tokens: int) -> dict:
     generator = BatchGenerator(model, max_tokens=new_tokens, stop_tokens=None,
                                completion_batch_size=max(len(batch), 1))
+    submitted = time.perf_counter()
     uids = generator.insert(batch, [new_tokens] * len(batch))
     stamps = {uid: [] for uid in uids}
     while responses := generator.next_generated():
@@ -72,14 +99,15 @@ def mlx_lm_batch_run(model, batch: list, new_tokens: int) -> dict:
         for response in responses:
             stamps[response.uid].append(now)
     generator.close()
-    return window_stats(list(stamps.values()))
+    return window_stats(list(stamps.values()), submitted)
 
 
 def mlx_lm_step_run(model, ids: list, new_tokens: int) -> dict:
     stamps = []
+    submitted = time.perf_counter()
     for _ in generate_step(mx.array(ids), model, max_tokens=new_tokens):
         stamps.append(time.perf_counter())
-    return window_stats([stamps])
+    return window_stats([stamps], submitted)
 
 
 async def prefill_stall(engine, vocab: int, long_tokens: int) -> dict:
@@ -117,12 +145,21 @@ async def main_async(args) -> list:
         mlx_lm_batch_run(model, warm, 8)
         for n in args.streams:
             batch = prompts(n, args.prompt, vocab, n)
-            ours = await engine_run(engine, batch, args.new_tokens)
-            theirs = mlx_lm_batch_run(model, batch, args.new_tokens)
-            row = {"streams": n, "engine": ours, "mlx_lm_batch": theirs,
-                   "ratio_vs_batch": ours["tok_s"] / theirs["tok_s"]}
+            runs = {"engine": [], "mlx_lm_batch": [], "mlx_lm_generate_step": []}
+            for _ in range(args.repeats):  # alternating, so drifts hit every side alike
+                runs["engine"].append(await engine_run(engine, batch, args.new_tokens))
+                runs["mlx_lm_batch"].append(mlx_lm_batch_run(model, batch, args.new_tokens))
+                if n == 1:
+                    runs["mlx_lm_generate_step"].append(
+                        mlx_lm_step_run(model, batch[0], args.new_tokens))
+            ours, theirs = medians(runs["engine"]), medians(runs["mlx_lm_batch"])
+            row = {"streams": n, "repeats": args.repeats, "engine": ours, "mlx_lm_batch": theirs,
+                   "ratio_vs_batch": ours["tok_s"] / theirs["tok_s"],
+                   "ratio_vs_batch_concurrent":
+                       ours["tok_s_concurrent"] / theirs["tok_s_concurrent"],
+                   "ratio_vs_batch_e2e": ours["e2e_tok_s"] / theirs["e2e_tok_s"]}
             if n == 1:
-                step = mlx_lm_step_run(model, batch[0], args.new_tokens)
+                step = medians(runs["mlx_lm_generate_step"])
                 row["mlx_lm_generate_step"] = step
                 row["ratio_vs_generate_step"] = ours["tok_s"] / step["tok_s"]
             rows.append(row)
@@ -140,6 +177,8 @@ def main():
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--long-prompt", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per stream count and side, alternating; medians reported")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     rows = asyncio.run(main_async(args))

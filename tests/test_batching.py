@@ -184,3 +184,42 @@ def test_a_model_that_cannot_batch_decodes_alone_and_says_why(tmp_path):
     assert not together[0].specprefill.batched
     assert together[0].specprefill.batch_reason == engine.info.batch_reason
     assert np.all([len(r.token_ids) >= 1 for r in together])
+
+
+def test_a_loops_mailbox_hands_over_a_steps_events_in_one_call_and_in_order():
+    import threading
+
+    from specprefill_engine.engine.engine import _Mailbox
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        mailbox, queues = _Mailbox(loop), [asyncio.Queue() for _ in range(4)]
+        calls = []
+        original = loop.call_soon_threadsafe
+
+        def counted(*args):
+            calls.append(args)
+            return original(*args)
+
+        loop.call_soon_threadsafe = counted
+
+        def worker():  # one "step": every stream gets its tokens while the loop waits
+            for token in range(3):
+                for index, events in enumerate(queues):
+                    assert mailbox.post(events, (index, token))
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()  # the loop runs nothing until the worker is done
+        got = [[await events.get() for _ in range(3)] for events in queues]
+        del loop.call_soon_threadsafe
+        return got, len(calls)
+
+    got, calls = asyncio.run(run())
+    assert got == [[(index, token) for token in range(3)] for index in range(4)]
+    assert calls == 1
+
+    loop = asyncio.new_event_loop()
+    mailbox = _Mailbox(loop)
+    loop.close()
+    assert not mailbox.post(asyncio.Queue(), "late")  # a closed loop: the caller cancels

@@ -2,8 +2,11 @@
 
 Callers in any thread or event loop submit requests; the worker thread (see
 `scheduler.py`) does the MLX work and sends each event back through the caller's
-own loop (`call_soon_threadsafe`) or, for sync callers, a plain queue. Tokenizing
-and chat templating run off the event loop, in a thread of asyncio's pool.
+own loop or, for sync callers, a plain queue. Events for the callers on one loop go
+through that loop's mailbox: one `call_soon_threadsafe` hands over every event posted
+before the loop gets to it, so a decode step of N streams wakes the loop once, not N
+times. Tokenizing and chat templating run off the event loop, in a thread of
+asyncio's pool.
 """
 
 import asyncio
@@ -115,6 +118,45 @@ def _make_constraint(tokenizer, response_format: dict):
     return make_constraint(tokenizer, response_format)
 
 
+class _Mailbox:
+    """The worker's events for the callers on one event loop.
+
+    The first event posted schedules one drain on the loop; events posted before that
+    drain runs join it (each caller's events stay in order). The loop is held weakly:
+    a closed or collected loop makes `post` return False, and the caller's request is
+    then cancelled, as when `call_soon_threadsafe` refuses a closed loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = weakref.ref(loop)
+        self._lock = threading.Lock()
+        self._items: list = []
+        self._scheduled = False
+
+    def post(self, events: asyncio.Queue, event) -> bool:
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return False
+        with self._lock:
+            self._items.append((events, event))
+            if self._scheduled:
+                return True
+            self._scheduled = True
+        try:
+            loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # closed meanwhile: nothing posted here will be delivered
+            with self._lock:
+                self._items.clear()
+                self._scheduled = False
+            return False
+        return True
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for events, event in items:
+            events.put_nowait(event)
+
+
 def _stop_worker(scheduler: Scheduler, timeout: float) -> None:
     """Stop and join a worker; also run at interpreter exit or when the Engine is
     collected, so no MLX work is cut off mid-call (which aborts the process)."""
@@ -159,6 +201,7 @@ class Engine:
                                         _make_constraint)
         self._start_lock = threading.Lock()
         self._started = False
+        self._mailboxes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._finalizer = weakref.finalize(self, _stop_worker, self._scheduler, 30.0)
 
     # lifecycle -----------------------------------------------------------------
@@ -310,15 +353,16 @@ class Engine:
     async def _events(self, prompt: Prompt, stream: bool, kwargs: dict) -> AsyncIterator:
         await self.start()
         loop = asyncio.get_running_loop()
+        with self._start_lock:
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = _Mailbox(loop)
         events: asyncio.Queue = asyncio.Queue()
         state: Optional[RequestState] = None
 
         def emit(event):
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the caller's loop is gone: stop working for it
-                if state is not None:
-                    state.cancelled.set()
+            if not mailbox.post(events, event) and state is not None:
+                state.cancelled.set()  # the caller's loop is gone: stop working for it
 
         state = await asyncio.to_thread(self._prepare, prompt, emit, stream, **kwargs)
         self._scheduler.submit(state)
