@@ -2,8 +2,8 @@
 an 8B target), bfloat16. Every row of a length is measured side by side in one run:
 
 - dense: the target's chunked prefill of the whole prompt (the engine's GPU step,
-  2048-token cost-balanced chunks) to the first token's logits; the same with fixed
-  2048-token chunks; mlx-lm's own generate_step;
+  2048-token chunks) to the first token's logits; the same with cost-balanced chunks
+  (the CPU's default); mlx-lm's own generate_step;
 - draft prefill: the draft's own dense prefill of the prompt, at the scoring chunk size;
 - scoring: `score_tokens` as configured (`--lookahead`, `--window`, `--draft-step`);
 - per keep: dense prefill of N contiguous tokens (N = the kept count), sparse prefill of
@@ -74,9 +74,9 @@ def timed(fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def dense(model, tokens, step=STEP, balanced=True):
-    """The chunked-prefill routine, dense, to the last token's logits: cost-balanced
-    chunks as the engine prefills a target, fixed ones as scoring prefills a draft."""
+def dense(model, tokens, step=STEP, balanced=None):
+    """The chunked-prefill routine, dense, to the last token's logits: chunks as the
+    engine prefills a target (the device's default), or fixed as scoring prefills a draft."""
     cache = make_prompt_cache(model)
     mx.eval(run_steps(chunked_prefill(model, tokens, cache, step, balanced=balanced)))
 
@@ -155,8 +155,8 @@ def main(argv=None) -> int:
         dense_s = timed(lambda: dense(target, tokens), args.runs)
         row(length, "dense target prefill", dense_s, per_token_ms=1e3 * dense_s / length)
         row(length, "mlx-lm generate_step", timed(lambda: mlx_lm_first_token(target, tokens), args.runs))
-        row(length, f"dense target prefill, fixed {STEP} chunks",
-            timed(lambda: dense(target, tokens, balanced=False), args.runs))
+        row(length, f"dense target prefill, cost-balanced {STEP} chunks",
+            timed(lambda: dense(target, tokens, balanced=True), args.runs))
         draft_s = timed(lambda: dense(draft, tokens, args.draft_step, False), args.runs)
         row(length, f"draft prefill ({args.draft_step} chunks)", draft_s,
             per_token_ms=1e3 * draft_s / length, r=draft_s / dense_s)

@@ -58,14 +58,14 @@ class CostModel:
                                    ("draft", draft, draft_step_size)):
             if model is None:  # a follower rank calibrates its target shard only
                 continue
-            balanced = which == "target"  # as each model prefills in the engine
+            balanced = None if which == "target" else False  # as the engine prefills each
             for length in lengths:
                 _timed_prefill(model, length, step, balanced)
                 self.observe(which, length, _timed_prefill(model, length, step, balanced))
         self.calibrated = True
 
 
-def _timed_prefill(model, length: int, step_size: int, balanced: bool) -> float:
+def _timed_prefill(model, length: int, step_size: int, balanced: Optional[bool]) -> float:
     tokens = mx.array(np.arange(length) % 1000 + 10, dtype=mx.int32)
     cache = make_prompt_cache(model)
     mx.synchronize()

@@ -28,7 +28,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import UnsupportedModelError, chunked_prefill, select_chunks, sparse_prefill_steps
-from ..core.prefill import grid_cut, unit_weight
+from ..core.prefill import grid_cut, prefill_weight
 from ..core.adapters import check_sparse_prefill_supported
 from ..core.sparse_prefill import cover_sliding_window
 from .distributed import FROM_PREFILL
@@ -103,7 +103,7 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple
 def _dense(state: RequestState, runtime: Runtime, target: Optional[PrefixCache]) -> Generator:
     step = runtime.config.step_size
     hit = target.find(state.tokens, dense_only=True) if target is not None else None
-    cut = grid_cut(hit.shared, step, unit_weight(runtime.model)) if hit is not None else 0
+    cut = grid_cut(hit.shared, step, prefill_weight(runtime.model)) if hit is not None else 0
     leader = runtime.leader
     if leader is not None:
         leader.restore(state.handle, hit, cut)
@@ -181,7 +181,7 @@ def _sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Gene
             # is the first dropped position
             dropped = np.flatnonzero(selected != np.arange(selected.size))
             first_dropped = int(dropped[0]) if dropped.size else int(selected.size)
-            cut = grid_cut(min(dense_hit.shared, first_dropped), step, unit_weight(runtime.model))
+            cut = grid_cut(min(dense_hit.shared, first_dropped), step, prefill_weight(runtime.model))
             hit, before = dense_hit, np.arange(cut)
             reuse = f"dense prefix of {cut} tokens" if cut else "none"
         sparse_hit = target.find(tokens)
