@@ -53,15 +53,23 @@ class Channel:
     def _exchange(self, values: np.ndarray) -> np.ndarray:
         return np.array(mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group))
 
+    def _post(self, values: np.ndarray) -> None:
+        """Rank 0's side of an exchange: it knows what it sends, so it queues the
+        collective without waiting for it (a host sync here would wait for the decode
+        step in flight on the same stream, and undo decode pipelining)."""
+        sent = mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group)
+        mx.async_eval(sent)
+        self._in_flight = sent
+
     def send(self, op: int, *args: int, payload=None) -> None:
         """Rank 0 only: one command, its header then its payload."""
         payload = np.zeros(0, np.int32) if payload is None else np.asarray(payload, np.int32)
         header = np.zeros(HEADER, np.int32)
         header[0], header[1] = op, payload.size
         header[2 : 2 + len(args)] = args
-        self._exchange(header)
+        self._post(header)
         if payload.size:
-            self._exchange(payload)
+            self._post(payload)
 
     def receive(self) -> tuple[int, list, np.ndarray]:
         """Ranks > 0: the next command (op, header arguments, payload)."""
