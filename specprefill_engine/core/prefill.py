@@ -116,7 +116,7 @@ def chunked_prefill(
     cached = next((c.offset for c in cache if isinstance(getattr(c, "offset", None), int)), 0)
     logits, start = None, 0
     while start < total:
-        end = start + unit_tokens(step_size, cached + start, weight)
+        end = min(start + unit_tokens(step_size, cached + start, weight), total)
         if weight and total - end <= (end - start) // 4:  # a small rest joins this chunk
             end = total
         chunk_positions = None if positions is None else positions[start:end]
