@@ -4,12 +4,12 @@ Tokens go through the model a chunk at a time, each chunk in its own forward cal
 so a scheduler can interleave other work between chunks. A chunk's cost grows with
 the entries already cached (attention), so on a CPU chunks are cost-balanced: the
 first is `step_size` tokens and later ones shrink so that each costs about as many
-FLOPs (`unit_tokens`); a rest of at most a quarter chunk joins the last one. Chunk ends depend only on the cache's length, never on load, so a
-prompt's KV is the same whatever else runs. With `positions`
-(sparse prefill: the kept tokens' original positions) every call gets its own
-position handling, removed right after it (see `positions.py`); without, the call
-still resets whatever state another request's call may have left on a shared model
-(mlx-vlm's rope-delta carrier).
+FLOPs (`unit_tokens`); a rest of at most a quarter chunk joins the last one. Chunk
+ends depend only on the cache's length, never on load, so a prompt's KV is the same
+whatever else runs. With `positions` (sparse prefill: the kept tokens' original
+positions) every call gets its own position handling, removed right after it (see
+`positions.py`); without, the call still resets whatever state another request's call
+may have left on a shared model (mlx-vlm's rope-delta carrier).
 """
 
 from typing import Generator, Optional
@@ -19,6 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .adapters import takes_position_ids
+from .positions import position_runs, positioned_rope
 
 _CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
                   "intermediate_size", "vocab_size")
@@ -72,7 +73,6 @@ def grid_cut(length: int, step_size: int, weight: float) -> int:
         if nxt > length:
             return end
         end = nxt
-from .positions import position_runs, positioned_rope
 
 
 def logits_of(output) -> mx.array:

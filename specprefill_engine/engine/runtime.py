@@ -1,5 +1,6 @@
 """Everything the worker thread owns: models, tokenizer, scorer, prefix cache."""
 
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -7,12 +8,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from .._blas import blas_status
 from ..core import DraftScorer, Scorer
 from ..core.scoring import default_draft_step_size
 from ..loading import check_same_tokenizer, load_model
 from .batch import batching_support
 from .distributed import Leader
 from .policy import CostModel
+
+logger = logging.getLogger(__name__)
 
 
 def default_step_size() -> int:
@@ -142,6 +146,9 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
     With a distributed group this is rank 0: the target's shard, then the draft,
     which only rank 0 holds.
     """
+    if mx.default_device() == mx.cpu and blas_status().startswith("mlx.core was imported first"):
+        logger.warning("MLX runs on its reference BLAS (about 20x slower on a CPU): import "
+                       "specprefill_engine before mlx or mlx_lm to load an optimized one")
     if config.step_size is None:
         config = replace(config, step_size=default_step_size())
     if config.draft_step_size is None:
