@@ -184,12 +184,13 @@ def test_passkey_quality_at_keep_30_percent(demo_pair):
 def test_chunked_prefill_last_logits_whatever_the_chunking(demo_pair, balanced):
     """Fixed or cost-balanced chunks, a prompt that is no multiple of the step: the
     last token's logits equal one forward's, and a prefix cut by `grid_cut` is a chunk
-    end (so a cached prefix continues in the same chunks as from scratch)."""
+    end of every longer prompt (so a cached prefix continues in the same chunks as from
+    scratch)."""
     from specprefill_engine.core import chunked_prefill
     from specprefill_engine.core.prefill import grid_cut, prefill_weight
 
     target, _, _ = demo_pair
-    ids = mx.array(np.random.default_rng(3).integers(10, 4000, 700))
+    ids = mx.array(np.random.default_rng(3).integers(10, 4000, 720))
     whole = target(ids[None], cache=make_prompt_cache(target))[:, -1:, :]
     steps = chunked_prefill(target, ids, make_prompt_cache(target), 256, balanced=balanced)
     ends = []
@@ -201,8 +202,10 @@ def test_chunked_prefill_last_logits_whatever_the_chunking(demo_pair, balanced):
             break
     assert logits is not None and logits.shape == (1, 1, whole.shape[-1])
     assert mx.abs(logits - whole).max().item() <= 1e-4
-    assert ends[-1] == 700 and ends[0] == 256
+    assert ends[-1] == 720 and ends[0] == 256
     if balanced:
         assert np.diff(ends).max() < 256  # later chunks see more entries: they are smaller
     weight = prefill_weight(target, balanced)
-    assert grid_cut(650, 256, weight) in ends and grid_cut(650, 256, weight) <= 650
+    for shared in range(1, 721):
+        cut = grid_cut(shared, 256, weight)
+        assert cut <= shared and (cut == 0 or cut in ends), shared

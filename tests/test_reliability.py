@@ -7,6 +7,7 @@ No wall-clock assertions: a `wait_for` bound only turns a hang into a failure.
 import asyncio
 import gc
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -406,6 +407,9 @@ def test_the_package_logs_through_logging_and_prints_nothing_by_default():
     assert "specprefill_engine.engine.scheduler" in loud.stderr and "processor bug" in loud.stderr
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux") or mx.default_device() != mx.cpu
+                    or os.environ.get("SPECPREFILL_BLAS", "").lower() == "off",
+                    reason="the optimized BLAS is loaded on Linux CPU machines only")
 def test_an_engine_on_the_reference_blas_says_so():
     """MLX imported before the package cannot use the optimized BLAS (about 20x slower on
     a CPU): the engine logs a warning naming the fix; imported after, it does not."""

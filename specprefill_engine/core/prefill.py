@@ -4,9 +4,9 @@ Tokens go through the model a chunk at a time, each chunk in its own forward cal
 so a scheduler can interleave other work between chunks. A chunk's cost grows with
 the entries already cached (attention), so on a CPU chunks are cost-balanced: the
 first is `step_size` tokens and later ones shrink so that each costs about as many
-FLOPs (`unit_tokens`); a rest of at most a quarter chunk joins the last one. Chunk
-ends depend only on the cache's length, never on load, so a prompt's KV is the same
-whatever else runs. With `positions` (sparse prefill: the kept tokens' original
+FLOPs (`unit_tokens`). Chunk ends depend only on the cache's length, never on the
+prompt's length or on load, so a prompt's KV is the same whatever else runs, and a
+cached prefix cut at a chunk end continues in the same chunks as from scratch. With `positions` (sparse prefill: the kept tokens' original
 positions) every call gets its own position handling, removed right after it (see
 `positions.py`); without, the call still resets whatever state another request's call
 may have left on a shared model (mlx-vlm's rope-delta carrier).
@@ -60,8 +60,8 @@ def unit_tokens(step_size: int, cached: int, weight: float) -> int:
         return step_size
     budget = step_size * (1 + weight * step_size / 2)
     linear = 1 + weight * cached
-    n = (-linear + (linear * linear + 2 * weight * budget) ** 0.5) / weight
-    return max(1, min(step_size, int(n)))
+    n = 2 * budget / (linear + (linear * linear + 2 * weight * budget) ** 0.5)  # no cancellation
+    return max(1, min(step_size, int(n + 1e-9)))
 
 
 def grid_cut(length: int, step_size: int, weight: float) -> int:
@@ -117,8 +117,6 @@ def chunked_prefill(
     logits, start = None, 0
     while start < total:
         end = min(start + unit_tokens(step_size, cached + start, weight), total)
-        if weight and total - end <= (end - start) // 4:  # a small rest joins this chunk
-            end = total
         chunk_positions = None if positions is None else positions[start:end]
         output = _forward(model, tokens[start:end][None], cache, chunk_positions)
         if want_logits and end == total:

@@ -49,6 +49,7 @@ class Channel:
     def __init__(self, group):
         self.group = group
         self.rank = group.rank()
+        self._in_flight: Optional[mx.array] = None  # rank 0's last posted broadcast
 
     def _exchange(self, values: np.ndarray) -> np.ndarray:
         return np.array(mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group))
@@ -136,6 +137,7 @@ class Leader(Channel):
 
     def shutdown(self) -> None:
         self.send(SHUTDOWN)
+        mx.eval(self._in_flight)  # delivered before this rank moves on or exits
 
 
 class _Row:
