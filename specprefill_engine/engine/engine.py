@@ -124,7 +124,8 @@ class _Mailbox:
     The first event posted schedules one drain on the loop; events posted before that
     drain runs join it (each caller's events stay in order). The loop is held weakly:
     a closed or collected loop makes `post` return False, and the caller's request is
-    then cancelled, as when `call_soon_threadsafe` refuses a closed loop."""
+    then cancelled, as when `call_soon_threadsafe` refuses a closed loop; events already
+    waiting for a loop that closes go with it (their requests stop at their next event)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = weakref.ref(loop)
