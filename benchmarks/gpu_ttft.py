@@ -94,8 +94,7 @@ def policy_choices(target, draft, lengths, keeps) -> dict:
         for keep in keeps:
             kept = expected_kept(length, keep, None, config.chunk_size, config.tail_tokens)
             prediction = predict(costs, length, 0, 0, kept)
-            engaged = length >= config.threshold and \
-                prediction.gain >= 1 + config.specprefill_margin
+            engaged = length >= config.threshold and prediction.pays(config.specprefill_margin)
             choices[(length, keep)] = (engaged, prediction)
     return choices
 

@@ -17,6 +17,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _integer_log_ticks(axes, ticks: list) -> None:
+    axes.set_xticks(ticks, [str(n) for n in ticks])
+    axes.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
+def _save(figure, axes, path: Path, legend_size: int = 8) -> None:
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=legend_size)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
 def plot_ttft(rows: list, path: Path, title: str) -> None:
     """One line per method; gpu_ttft.py's component rows (N=..., scoring, draft, before)
     are left out and its SpecPrefill rows' ideal drawn dashed."""
@@ -34,13 +46,8 @@ def plot_ttft(rows: list, path: Path, title: str) -> None:
                       label=f"ideal for {method}")
     axes.set(xlabel="prompt tokens", ylabel="time to first token (s)", title=title,
              xscale="log", yscale="log")
-    lengths = sorted({r["length"] for r in rows})
-    axes.set_xticks(lengths, [str(n) for n in lengths])
-    axes.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    _integer_log_ticks(axes, sorted({r["length"] for r in rows}))
+    _save(figure, axes, path)
 
 
 def plot_quality(rows: list, path: Path, title: str) -> None:
@@ -58,10 +65,7 @@ def plot_quality(rows: list, path: Path, title: str) -> None:
             axes.plot(keeps, accuracy, style, color=color,
                       label=f"{family}, {length} tokens (dotted: dense)")
     axes.set(xlabel="keep fraction", ylabel="exact-answer accuracy", title=title, ylim=(-0.02, 1.02))
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    _save(figure, axes, path, legend_size=7)
 
 
 def plot_throughput(rows: list, path: Path, title: str) -> None:
@@ -77,12 +81,8 @@ def plot_throughput(rows: list, path: Path, title: str) -> None:
                   label="mlx-lm generate_step (1 stream)")
     axes.set(xlabel="concurrent streams", ylabel="aggregate decode tokens/s", title=title,
              xscale="log", yscale="log")
-    axes.set_xticks(streams, [str(n) for n in streams])
-    axes.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    _integer_log_ticks(axes, streams)
+    _save(figure, axes, path)
 
 
 def plot_agent(summary: list, path: Path, title: str) -> None:
@@ -94,10 +94,7 @@ def plot_agent(summary: list, path: Path, title: str) -> None:
     axes.set(xlabel="agent step", ylabel="time to first token (s, median)", title=title,
              yscale="log")
     axes.set_xticks(steps)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    _save(figure, axes, path)
 
 
 def main(argv=None) -> int:

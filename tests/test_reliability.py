@@ -414,16 +414,16 @@ def test_an_engine_on_the_reference_blas_says_so():
     """MLX imported before the package cannot use the optimized BLAS (about 20x slower on
     a CPU): the engine logs a warning naming the fix; imported after, it does not."""
     script = """
-        import logging, sys
-        if sys.argv[1] == "mlx-first":
+        import logging
+        if {mlx_first}:
             import mlx.core  # noqa: F401
         logging.basicConfig(level=logging.WARNING)
         from specprefill_engine import Engine
         with Engine(draft=None) as engine:
             print(len(engine.generate_sync([5, 6, 7], max_tokens=2).token_ids))
     """
-    late = _run_script(script.replace("sys.argv[1]", "'mlx-first'"))
-    early = _run_script(script.replace("sys.argv[1]", "'package-first'"))
+    late = _run_script(script.format(mlx_first=True))
+    early = _run_script(script.format(mlx_first=False))
     assert late.stdout.strip() == early.stdout.strip() == "2"
     assert "reference BLAS" in late.stderr and "import specprefill_engine before mlx" in late.stderr
     assert "reference BLAS" not in early.stderr

@@ -86,6 +86,10 @@ class Prediction:
     def gain(self) -> float:
         return self.dense_s / max(self.specprefill_s, 1e-9)
 
+    def pays(self, margin: float) -> bool:
+        """SpecPrefill is worth engaging: the predicted gain beats 1 + margin."""
+        return self.gain >= 1 + margin
+
     def describe(self) -> str:
         return (f"predicted {self.gain:.2f}x: dense {self.dense_s:.3f}s, "
                 f"SpecPrefill {self.specprefill_s:.3f}s")

@@ -95,7 +95,7 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple
                          draft_hit.shared if draft_hit else 0, kept)
     state.report.predicted_dense_s = prediction.dense_s
     state.report.predicted_specprefill_s = prediction.specprefill_s
-    if prediction.gain < 1 + config.specprefill_margin:
+    if not prediction.pays(config.specprefill_margin):
         return False, f"policy: {prediction.describe()} (< {1 + config.specprefill_margin:.2f}x)"
     return True, f"policy: {prediction.describe()}"
 

@@ -21,10 +21,10 @@ logger = logging.getLogger(__name__)
 
 def default_step_size() -> int:
     """Tokens in the first unit of prefill work; on a CPU later units shrink so each
-    costs as much (attention grows with the context: `core.prefill.unit_tokens`). A unit must
-    take well under a second so decoding streams keep flowing: on this project's
-    2-core CPU the demo target's units take 0.1-0.4 s at 256 tokens (0.7-0.8 s at
-    512), so 256 there; a GPU wants large chunks."""
+    costs as much (attention grows with the context: `core.prefill.unit_tokens`). A
+    unit must take well under a second so decoding streams keep flowing: on this
+    project's 2-core CPU the demo target's units take 0.1-0.4 s at 256 tokens (0.7-0.8 s
+    at 512), so 256 there; a GPU wants large chunks."""
     return 256 if mx.default_device() == mx.cpu else 2048
 
 
