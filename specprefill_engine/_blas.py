@@ -6,6 +6,14 @@ process's global symbol scope before `mlx.core` is imported makes MLX's `cblas_*
 calls resolve to it. It must run before anything imports `mlx.core`; when that has
 already happened, nothing changes and `blas_status()` says so.
 
+OpenBLAS's idle threads spin on `sched_yield` for about 2**28 cycles after each
+call. During decode its threads sit idle between steps, so on a small CPU they take
+the cores the engine's worker and event loop need (on a 2-core machine: a third of
+the process's time in system calls and a single stream 10% slower than mlx-lm's
+`generate_step`, with the prefill no faster). Unless the caller set it,
+OPENBLAS_THREAD_TIMEOUT is set to its minimum (2**4 cycles) before the library loads,
+so idle threads sleep at once.
+
 Set SPECPREFILL_BLAS=off to skip it, or SPECPREFILL_BLAS=/path/to/libblas.so to
 choose the library.
 """
@@ -34,6 +42,7 @@ def preload_blas() -> str:
     elif "mlx.core" in sys.modules:
         _status = "mlx.core was imported first: reference BLAS in use"
     else:
+        os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # read when the library loads
         paths = [choice] if choice else [p for p in CANDIDATES if os.path.exists(p)]
         _status = "no optimized BLAS found (apt-get install libopenblas0-pthread)"
         for path in paths:

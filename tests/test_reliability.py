@@ -427,3 +427,22 @@ def test_an_engine_on_the_reference_blas_says_so():
     assert late.stdout.strip() == early.stdout.strip() == "2"
     assert "reference BLAS" in late.stderr and "import specprefill_engine before mlx" in late.stderr
     assert "reference BLAS" not in early.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or mx.default_device() != mx.cpu
+                    or os.environ.get("SPECPREFILL_BLAS", "").lower() == "off",
+                    reason="the optimized BLAS is loaded on Linux CPU machines only")
+def test_openblas_idle_threads_sleep_unless_the_caller_chose():
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when it loads: the package sets it to the
+    minimum (idle threads spinning between decode steps take a small CPU's cores from
+    the worker and the event loop), and leaves a value the caller set alone."""
+    script = """
+        import os
+        from specprefill_engine._blas import blas_status
+        print(os.environ["OPENBLAS_THREAD_TIMEOUT"], blas_status())
+    """
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    default = _run_script(script, env=env).stdout.split()
+    chosen = _run_script(script, env={**env, "OPENBLAS_THREAD_TIMEOUT": "20"}).stdout.split()
+    assert default[0] == "4" and chosen[0] == "20"
+    assert default[1] == chosen[1] == "loaded"
