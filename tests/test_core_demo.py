@@ -183,11 +183,11 @@ def test_passkey_quality_at_keep_30_percent(demo_pair):
 @pytest.mark.parametrize("balanced", [False, True])
 def test_chunked_prefill_last_logits_whatever_the_chunking(demo_pair, balanced):
     """Fixed or cost-balanced chunks, a prompt that is no multiple of the step: the
-    last token's logits equal one forward's, and a prefix cut by `grid_cut` is a chunk
-    end of every longer prompt (so a cached prefix continues in the same chunks as from
-    scratch)."""
+    last token's logits equal one forward's, a prefix cut by `grid_cut` is a chunk end
+    of every longer prompt (so a cached prefix continues in the same chunks as from
+    scratch), and a small last chunk runs without a pause before it."""
     from specprefill_engine.core import chunked_prefill
-    from specprefill_engine.core.prefill import grid_cut, prefill_weight
+    from specprefill_engine.core.prefill import chunk_plan, grid_cut, prefill_weight
 
     target, _, _ = demo_pair
     ids = mx.array(np.random.default_rng(3).integers(10, 4000, 720))
@@ -202,10 +202,14 @@ def test_chunked_prefill_last_logits_whatever_the_chunking(demo_pair, balanced):
             break
     assert logits is not None and logits.shape == (1, 1, whole.shape[-1])
     assert mx.abs(logits - whole).max().item() <= 1e-4
-    assert ends[-1] == 720 and ends[0] == 256
-    if balanced:
-        assert np.diff(ends).max() < 256  # later chunks see more entries: they are smaller
     weight = prefill_weight(target, balanced)
+    plan = chunk_plan(720, 0, 256, weight)
+    assert ends == [end for end, pause in plan if pause]
+    chunks = [end for end, _ in plan]
+    if balanced:  # later chunks see more entries: they are smaller; 702 -> 720 is small
+        assert chunks == [256, 488, 702, 720] and ends == [256, 488, 720]
+    else:
+        assert chunks == ends == [256, 512, 720]
     for shared in range(1, 721):
         cut = grid_cut(shared, 256, weight)
-        assert cut <= shared and (cut == 0 or cut in ends), shared
+        assert cut <= shared and (cut == 0 or cut in chunks), shared

@@ -6,10 +6,12 @@ the entries already cached (attention), so on a CPU chunks are cost-balanced: th
 first is `step_size` tokens and later ones shrink so that each costs about as many
 FLOPs (`unit_tokens`). Chunk ends depend only on the cache's length, never on the
 prompt's length or on load, so a prompt's KV is the same whatever else runs, and a
-cached prefix cut at a chunk end continues in the same chunks as from scratch. With `positions` (sparse prefill: the kept tokens' original
-positions) every call gets its own position handling, removed right after it (see
-`positions.py`); without, the call still resets whatever state another request's call
-may have left on a shared model (mlx-vlm's rope-delta carrier).
+cached prefix cut at a chunk end continues in the same chunks as from scratch. A
+small last chunk runs right after the one before it, so it costs no scheduler turn.
+With `positions` (sparse prefill: the kept tokens' original positions) every call
+gets its own position handling, removed right after it (see `positions.py`);
+without, the call still resets whatever state another request's call may have left
+on a shared model (mlx-vlm's rope-delta carrier).
 """
 
 from typing import Generator, Optional
@@ -53,12 +55,23 @@ def prefill_weight(model: nn.Module, balanced: Optional[bool] = None) -> float:
     return unit_weight(model) if balanced else 0.0
 
 
+# a last chunk costing at most this share of a unit runs right after the chunk before
+# it, without yielding in between: a 512-token prompt's 24-token tail on the demo
+# target would otherwise take a scheduler turn (and a decode step) of its own
+TAIL_SHARE = 0.25
+
+
+def chunk_cost(tokens: int, cached: int, weight: float) -> float:
+    """A chunk's cost in token-equivalents at cache length 0."""
+    return tokens * (1 + weight * (cached + tokens / 2))
+
+
 def unit_tokens(step_size: int, cached: int, weight: float) -> int:
     """Tokens in the chunk that starts after `cached` entries: n with
-    n * (1 + weight * (cached + n / 2)) = step_size * (1 + weight * step_size / 2)."""
+    chunk_cost(n, cached) = chunk_cost(step_size, 0)."""
     if weight <= 0:
         return step_size
-    budget = step_size * (1 + weight * step_size / 2)
+    budget = chunk_cost(step_size, 0, weight)
     linear = 1 + weight * cached
     n = 2 * budget / (linear + (linear * linear + 2 * weight * budget) ** 0.5)  # no cancellation
     return max(1, min(step_size, int(n + 1e-9)))
@@ -73,6 +86,21 @@ def grid_cut(length: int, step_size: int, weight: float) -> int:
         if nxt > length:
             return end
         end = nxt
+
+
+def chunk_plan(total: int, cached: int, step_size: int, weight: float) -> list:
+    """(end, pause) for each chunk of `total` tokens fed after `cached` entries: where
+    it ends, and whether a scheduler turn may follow it (not before a last chunk that
+    costs at most `TAIL_SHARE` of a unit)."""
+    ends, start = [], 0
+    while start < total:
+        start = min(start + unit_tokens(step_size, cached + start, weight), total)
+        ends.append(start)
+    pauses = [True] * len(ends)
+    if len(ends) > 1 and chunk_cost(total - ends[-2], cached + ends[-2], weight) \
+            <= TAIL_SHARE * chunk_cost(step_size, 0, weight):
+        pauses[-2] = False
+    return list(zip(ends, pauses))
 
 
 def logits_of(output) -> mx.array:
@@ -100,7 +128,8 @@ def chunked_prefill(
     want_logits: bool = True,
     balanced: Optional[bool] = None,
 ) -> Generator[tuple, None, Optional[mx.array]]:
-    """Feed `tokens` in chunks, yielding (tokens done, tokens) after each.
+    """Feed `tokens` in the chunks of `chunk_plan`, yielding (tokens done, tokens)
+    where the plan lets a scheduler turn in; the last yield is (total, total).
 
     Returns the last token's logits, shape (1, 1, vocab), or None when
     `want_logits` is False (only the cache is wanted, e.g. a draft before its
@@ -115,8 +144,7 @@ def chunked_prefill(
     weight = prefill_weight(model, balanced)
     cached = next((c.offset for c in cache if isinstance(getattr(c, "offset", None), int)), 0)
     logits, start = None, 0
-    while start < total:
-        end = min(start + unit_tokens(step_size, cached + start, weight), total)
+    for end, pause in chunk_plan(total, cached, step_size, weight):
         chunk_positions = None if positions is None else positions[start:end]
         output = _forward(model, tokens[start:end][None], cache, chunk_positions)
         if want_logits and end == total:
@@ -124,6 +152,7 @@ def chunked_prefill(
             mx.eval(logits, [c.state for c in cache])
         else:
             mx.eval([c.state for c in cache])
-        yield end, total
         start = end
+        if pause:
+            yield end, total
     return logits

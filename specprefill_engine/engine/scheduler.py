@@ -233,6 +233,11 @@ class Scheduler:
             state.prefill = prefill_steps(state, runtime, caches)
         try:
             phase, done, total = next(state.prefill)
+            if state.progress:
+                state.emit(Progress(phase, done, total))
+            if phase == "prefill" and done == total:  # the model's work is done: the first
+                next(state.prefill)  # token comes in this turn, not after one more decode step
+            return
         except StopIteration as finished:
             self._prefilling = None
             cache, logits, shift = finished.value
@@ -242,9 +247,6 @@ class Scheduler:
         except Exception as error:
             self._prefilling = None
             self._fail_request(state, error)
-            return
-        if state.progress:
-            state.emit(Progress(phase, done, total))
 
     def _first_token(self, runtime: Runtime, state: RequestState, cache: list, logits,
                      shift: int) -> None:
