@@ -128,6 +128,9 @@ async def prefill_stall(engine, vocab: int, long_tokens: int) -> dict:
                           cache_prompt=False, on_progress=lambda p: turns.append(time.perf_counter()))
     ended = time.perf_counter()
     task.cancel()
+    if len(turns) < 3:
+        raise ValueError(f"--long-prompt {long_tokens} fits in one prefill unit: no turns to "
+                         f"measure (use several times {engine.info.step_size} tokens)")
     gaps = np.diff([t for t in stamps if began <= t <= ended])
     turn = statistics.median(np.diff(turns))
     return {"longest_gap_s": float(gaps.max()), "median_turn_s": float(turn),
