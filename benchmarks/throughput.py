@@ -142,7 +142,8 @@ async def main_async(args) -> list:
     model, _ = load_model(path) if path else load_model()
     vocab = 4000
     rows = []
-    async with Engine(model=path, draft=None, max_batch_size=max(args.streams)) as engine:
+    # at least 2: the stall measurement decodes one stream while another request prefills
+    async with Engine(model=path, draft=None, max_batch_size=max(*args.streams, 2)) as engine:
         warm = prompts(2, args.prompt, vocab, 99)
         await engine_run(engine, warm, 8)
         mlx_lm_batch_run(model, warm, 8)
