@@ -189,11 +189,11 @@ def test_a_model_that_cannot_batch_decodes_alone_and_says_why(tmp_path):
 def test_a_loops_mailbox_hands_over_a_steps_events_in_one_call_and_in_order():
     import threading
 
-    from specprefill_engine.engine.engine import _Mailbox
+    from specprefill_engine.engine.delivery import Mailbox
 
     async def run():
         loop = asyncio.get_running_loop()
-        mailbox, queues = _Mailbox(loop), [asyncio.Queue() for _ in range(4)]
+        mailbox, queues = Mailbox(loop), [asyncio.Queue() for _ in range(4)]
         calls = []
         original = loop.call_soon_threadsafe
 
@@ -220,6 +220,42 @@ def test_a_loops_mailbox_hands_over_a_steps_events_in_one_call_and_in_order():
     assert calls == 1
 
     loop = asyncio.new_event_loop()
-    mailbox = _Mailbox(loop)
+    mailbox = Mailbox(loop)
     loop.close()
     assert not mailbox.post(asyncio.Queue(), "late")  # a closed loop: the caller cancels
+
+
+def test_a_steps_events_reach_a_running_loop_in_one_hand_over():
+    """While the loop runs freely it would drain after the first post and wake again
+    for each later one; inside `one_delivery` (each decode step) it wakes once."""
+    import time
+
+    from specprefill_engine.engine.delivery import Mailbox, one_delivery
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        mailbox, queues = Mailbox(loop), [asyncio.Queue() for _ in range(4)]
+        drains = []
+        original = loop.call_soon_threadsafe
+
+        def counted(callback, *args):
+            if callback == mailbox._drain:
+                drains.append(time.perf_counter())
+            return original(callback, *args)
+
+        loop.call_soon_threadsafe = counted
+
+        def step():
+            with one_delivery():
+                for index, events in enumerate(queues):
+                    assert mailbox.post(events, index)
+                    time.sleep(0.02)  # the loop is free to run meanwhile
+
+        await asyncio.to_thread(step)
+        got = [await events.get() for events in queues]
+        del loop.call_soon_threadsafe
+        return got, len(drains)
+
+    got, drains = asyncio.run(run())
+    assert got == [0, 1, 2, 3]
+    assert drains == 1

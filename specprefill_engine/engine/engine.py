@@ -2,11 +2,9 @@
 
 Callers in any thread or event loop submit requests; the worker thread (see
 `scheduler.py`) does the MLX work and sends each event back through the caller's
-own loop or, for sync callers, a plain queue. Events for the callers on one loop go
-through that loop's mailbox: one `call_soon_threadsafe` hands over every event posted
-before the loop gets to it, so a decode step of N streams wakes the loop once, not N
-times. Tokenizing and chat templating run off the event loop, in a thread of
-asyncio's pool.
+own loop (through that loop's mailbox, `delivery.py`: a decode step of N streams
+wakes the loop once) or, for sync callers, a plain queue. Tokenizing and chat
+templating run off the event loop, in a thread of asyncio's pool.
 """
 
 import asyncio
@@ -21,6 +19,7 @@ from typing import AsyncIterator, Callable, Iterator, Optional, Union
 import numpy as np
 
 from ..loading import DEMO_DRAFT, DEMO_TARGET, resolve_model_path
+from .delivery import Mailbox
 from .output import OutputProcessor
 from .results import Chunk, Progress, Result
 from .distributed import FollowerWorker, distributed_group
@@ -116,46 +115,6 @@ def _make_constraint(tokenizer, response_format: dict):
     from .constrained import make_constraint
 
     return make_constraint(tokenizer, response_format)
-
-
-class _Mailbox:
-    """The worker's events for the callers on one event loop.
-
-    The first event posted schedules one drain on the loop; events posted before that
-    drain runs join it (each caller's events stay in order). The loop is held weakly:
-    a closed or collected loop makes `post` return False, and the caller's request is
-    then cancelled, as when `call_soon_threadsafe` refuses a closed loop; events already
-    waiting for a loop that closes go with it (their requests stop at their next event)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = weakref.ref(loop)
-        self._lock = threading.Lock()
-        self._items: list = []
-        self._scheduled = False
-
-    def post(self, events: asyncio.Queue, event) -> bool:
-        loop = self._loop()
-        if loop is None or loop.is_closed():
-            return False
-        with self._lock:
-            self._items.append((events, event))
-            if self._scheduled:
-                return True
-            self._scheduled = True
-        try:
-            loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # closed meanwhile: nothing posted here will be delivered
-            with self._lock:
-                self._items.clear()
-                self._scheduled = False
-            return False
-        return True
-
-    def _drain(self) -> None:
-        with self._lock:
-            items, self._items, self._scheduled = self._items, [], False
-        for events, event in items:
-            events.put_nowait(event)
 
 
 def _stop_worker(scheduler: Scheduler, timeout: float) -> None:
@@ -357,7 +316,7 @@ class Engine:
         with self._start_lock:
             mailbox = self._mailboxes.get(loop)
             if mailbox is None:
-                mailbox = self._mailboxes[loop] = _Mailbox(loop)
+                mailbox = self._mailboxes[loop] = Mailbox(loop)
         events: asyncio.Queue = asyncio.Queue()
         state: Optional[RequestState] = None
 

@@ -30,6 +30,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .batch import DecodeBatch, SoloDecode, sample_rows
+from .delivery import one_delivery
 from .distributed import FROM_BATCH, FROM_SOLO, JOIN_BATCH, JOIN_DROP, JOIN_SOLO, Leader
 from .prefill import PrefixCaches, prefill_steps
 from .prefix_cache import PrefixCache, reusable
@@ -176,7 +177,8 @@ class Scheduler:
             self._prefill_unit(runtime, caches)
         for group in list(self._decoding):
             if group.rows:
-                self._decode_step(group, caches.target)
+                with one_delivery():  # the step's events reach each caller loop at once
+                    self._decode_step(group, caches.target)
         self._decoding = [group for group in self._decoding if len(group.rows)]
         return True
 
