@@ -12,7 +12,8 @@ the cores the engine's worker and event loop need (on a 2-core machine: a third 
 the process's time in system calls and a single stream 10% slower than mlx-lm's
 `generate_step`, with the prefill no faster). Unless the caller set it,
 OPENBLAS_THREAD_TIMEOUT is set to its minimum (2**4 cycles) before the library loads,
-so idle threads sleep at once.
+so idle threads sleep at once; it stays in `os.environ`, so child processes and other
+OpenBLAS copies loaded later (numpy's) read it too.
 
 Set SPECPREFILL_BLAS=off to skip it, or SPECPREFILL_BLAS=/path/to/libblas.so to
 choose the library.
@@ -42,8 +43,9 @@ def preload_blas() -> str:
     elif "mlx.core" in sys.modules:
         _status = "mlx.core was imported first: reference BLAS in use"
     else:
-        os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # read when the library loads
         paths = [choice] if choice else [p for p in CANDIDATES if os.path.exists(p)]
+        if paths:  # read when the library loads; it stays in the process's environment
+            os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
         _status = "no optimized BLAS found (apt-get install libopenblas0-pthread)"
         for path in paths:
             try:

@@ -259,3 +259,36 @@ def test_a_steps_events_reach_a_running_loop_in_one_hand_over():
     got, drains = asyncio.run(run())
     assert got == [0, 1, 2, 3]
     assert drains == 1
+
+
+def test_a_request_gets_its_first_token_in_the_turn_of_its_last_prefill_unit():
+    """Between a request's last prefill unit and its first token no decode step runs:
+    a stream decoding alongside gets no token in between (it did, one turn later)."""
+    order = []
+
+    async def run():
+        async with Engine(draft=None) as engine:
+            decoding = asyncio.Event()
+
+            async def alongside():
+                async for chunk in engine.stream([5, 6, 7, 8], max_tokens=200, ignore_eos=True,
+                                                 cache_prompt=False):
+                    if chunk.token_ids:
+                        order.append("A")
+                        decoding.set()
+
+            task = asyncio.create_task(alongside())
+            await decoding.wait()
+            prompt = np.random.default_rng(0).integers(10, 4000, 700).tolist()
+            async for chunk in engine.stream(
+                    prompt, max_tokens=2, specprefill=False, cache_prompt=False,
+                    on_progress=lambda p: order.append(("B", p.phase, p.done, p.total))):
+                if chunk.token_ids:
+                    order.append("B")
+            task.cancel()
+
+    asyncio.run(run())
+    progress = [i for i, event in enumerate(order) if isinstance(event, tuple)]
+    assert len(progress) >= 2 and order[progress[-1]][2] == order[progress[-1]][3]
+    assert "A" in order[progress[0]:progress[-1]]  # A decodes while B prefills
+    assert order[progress[-1] + 1] == "B"

@@ -213,3 +213,22 @@ def test_chunked_prefill_last_logits_whatever_the_chunking(demo_pair, balanced):
     for shared in range(1, 721):
         cut = grid_cut(shared, 256, weight)
         assert cut <= shared and (cut == 0 or cut in chunks), shared
+
+
+@pytest.mark.parametrize("n_window", [1, 100])
+def test_scoring_progress_ends_at_its_total(demo_pair, n_window):
+    """A window that pulls the capturing chunk back leaves a small last prefill chunk,
+    which runs without a yield of its own: the count of units must know that."""
+    from specprefill_engine.core.scoring import score_steps
+
+    _, draft, _ = demo_pair
+    steps = score_steps(draft, mx.array(np.random.default_rng(0).integers(10, 4000, 386)),
+                        step_size=128, n_window=n_window)
+    yields = []
+    while True:
+        try:
+            yields.append(next(steps))
+        except StopIteration:
+            break
+    total = yields[-1][1]
+    assert yields == [(done, total) for done in range(1, total + 1)]

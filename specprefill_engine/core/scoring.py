@@ -19,7 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .adapters import AttentionSite, UnsupportedModelError, attention_sites, sees_whole_prompt
 from .positions import positioned_rope
-from .prefill import chunked_prefill, logits_of
+from .prefill import chunk_plan, chunked_prefill, logits_of
 
 CancelCheck = Optional[Callable[[], None]]
 
@@ -197,7 +197,8 @@ def score_steps(
     for layer in cache:
         if getattr(layer, "offset", 0) > cached:
             layer.trim(layer.offset - cached)
-    n_chunks = -(-(last_start - cached) // step_size) + 1
+    plan = chunk_plan(last_start - cached, cached, step_size, 0.0)  # chunked_prefill's yields
+    n_chunks = sum(pause for _, pause in plan) + 1
     done, total = 0, n_chunks + (n_lookahead - 1) + 1
     for _ in chunked_prefill(draft_model, tokens[cached:last_start], cache, step_size,
                              want_logits=False, balanced=False):

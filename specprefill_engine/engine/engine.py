@@ -2,7 +2,7 @@
 
 Callers in any thread or event loop submit requests; the worker thread (see
 `scheduler.py`) does the MLX work and sends each event back through the caller's
-own loop (through that loop's mailbox, `delivery.py`: a decode step of N streams
+own loop (through that loop's mailbox, `delivery.py`: a batched decode step of N streams
 wakes the loop once) or, for sync callers, a plain queue. Tokenizing and chat
 templating run off the event loop, in a thread of asyncio's pool.
 """

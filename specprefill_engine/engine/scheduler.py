@@ -5,9 +5,11 @@ freeing all happen here. Each turn of the loop:
 1. takes new requests (blocking only when there is nothing to do) and ends
    the ones whose callers aborted;
 2. advances the oldest admitted prefill by one unit of at most `step_size` tokens
-   (first come, first served: later arrivals never stretch an earlier TTFT);
+   (first come, first served: later arrivals never stretch an earlier TTFT), plus a
+   last chunk costing at most a quarter of a unit, and samples its first token when
+   that was the last unit;
 3. runs one batched decode step for every decoding request.
-So a decoding stream waits at most one prefill unit between two tokens. A request
+So a decoding stream waits at most about one prefill unit between two tokens. A request
 is admitted to prefill while fewer than `max_batch_size` requests are running and
 their reserved KV fits `kv_cache_bytes`; otherwise it waits in the queue.
 
@@ -177,8 +179,7 @@ class Scheduler:
             self._prefill_unit(runtime, caches)
         for group in list(self._decoding):
             if group.rows:
-                with one_delivery():  # the step's events reach each caller loop at once
-                    self._decode_step(group, caches.target)
+                self._decode_step(group, caches.target)
         self._decoding = [group for group in self._decoding if len(group.rows)]
         return True
 
@@ -238,7 +239,9 @@ class Scheduler:
             if state.progress:
                 state.emit(Progress(phase, done, total))
             if phase == "prefill" and done == total:  # the model's work is done: the first
-                next(state.prefill)  # token comes in this turn, not after one more decode step
+                phase, done, total = next(state.prefill)  # token comes in this turn, not
+                if state.progress:  # after one more decode step (normally StopIteration)
+                    state.emit(Progress(phase, done, total))
             return
         except StopIteration as finished:
             self._prefilling = None
@@ -297,9 +300,10 @@ class Scheduler:
                 self._fail_request(row, error)
             return
         finished = {}
-        for row, token in produced:
-            if row.error is None and (reason := row.output.accept(token)) is not None:
-                finished[row] = reason
+        with one_delivery():  # the step's tokens reach each caller loop in one hand-over,
+            for row, token in produced:  # before any finished row's KV is stored
+                if row.error is None and (reason := row.output.accept(token)) is not None:
+                    finished[row] = reason
         failed = [row for row in group.rows if row.error is not None]
         if target is not None:
             for row in finished:
