@@ -19,7 +19,6 @@ from pathlib import Path
 
 import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
 import mlx.core as mx
-import numpy as np
 from mlx_lm.generate import generate_step
 
 from random_models import random_model_dir

@@ -14,7 +14,8 @@ without, the call still resets whatever state another request's call may have le
 on a shared model (mlx-vlm's rope-delta carrier).
 """
 
-from typing import Generator, Optional
+from itertools import takewhile
+from typing import Generator, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -77,25 +78,27 @@ def unit_tokens(step_size: int, cached: int, weight: float) -> int:
     return max(1, min(step_size, int(n + 1e-9)))
 
 
+def _unit_ends(cached: int, step_size: int, weight: float) -> Iterator[int]:
+    """Where successive full units end, counted from `cached` entries on (endless)."""
+    end = 0
+    while True:
+        end += unit_tokens(step_size, cached + end, weight)
+        yield end
+
+
 def grid_cut(length: int, step_size: int, weight: float) -> int:
     """The last chunk end at or below `length` when prefilling from 0: a cached prefix
     cut there is continued in the same chunks as from scratch (bit-identical KV)."""
-    end = 0
-    while True:
-        nxt = end + unit_tokens(step_size, end, weight)
-        if nxt > length:
-            return end
-        end = nxt
+    return max([0, *takewhile(lambda end: end <= length, _unit_ends(0, step_size, weight))])
 
 
 def chunk_plan(total: int, cached: int, step_size: int, weight: float) -> list:
     """(end, pause) for each chunk of `total` tokens fed after `cached` entries: where
     it ends, and whether a scheduler turn may follow it (not before a last chunk that
     costs at most `TAIL_SHARE` of a unit)."""
-    ends, start = [], 0
-    while start < total:
-        start = min(start + unit_tokens(step_size, cached + start, weight), total)
-        ends.append(start)
+    if total < 1:
+        return []
+    ends = [*takewhile(lambda end: end < total, _unit_ends(cached, step_size, weight)), total]
     pauses = [True] * len(ends)
     if len(ends) > 1 and chunk_cost(total - ends[-2], cached + ends[-2], weight) \
             <= TAIL_SHARE * chunk_cost(step_size, 0, weight):

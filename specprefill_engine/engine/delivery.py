@@ -14,7 +14,7 @@ import asyncio
 import threading
 import weakref
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional
 
 _held = threading.local()  # per thread: the mailboxes with events held back, or None
 
@@ -22,10 +22,6 @@ _held = threading.local()  # per thread: the mailboxes with events held back, or
 @contextmanager
 def one_delivery() -> Iterator[None]:
     """Hold back the events posted on this thread until the block ends."""
-    outer = getattr(_held, "mailboxes", None)
-    if outer is not None:  # nested: the outer block delivers
-        yield
-        return
     mailboxes = _held.mailboxes = []
     try:
         yield
@@ -74,17 +70,14 @@ class Mailbox:
             if self._scheduled or not self._items:
                 return
             self._scheduled = True
-        if loop is None or loop.is_closed():
-            with self._lock:
-                self._items.clear()
-                self._scheduled = False
-            return
         self._schedule(loop)
 
-    def _schedule(self, loop: asyncio.AbstractEventLoop) -> bool:
+    def _schedule(self, loop: Optional[asyncio.AbstractEventLoop]) -> bool:
         try:
+            if loop is None:  # collected: nothing posted here will be delivered
+                raise RuntimeError("the event loop is gone")
             loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # closed meanwhile: nothing posted here will be delivered
+        except RuntimeError:  # closed: nothing posted here will be delivered
             with self._lock:
                 self._items.clear()
                 self._scheduled = False

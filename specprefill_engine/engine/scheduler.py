@@ -235,14 +235,13 @@ class Scheduler:
         if state.prefill is None:
             state.prefill = prefill_steps(state, runtime, caches)
         try:
-            phase, done, total = next(state.prefill)
-            if state.progress:
-                state.emit(Progress(phase, done, total))
-            if phase == "prefill" and done == total:  # the model's work is done: the first
-                phase, done, total = next(state.prefill)  # token comes in this turn, not
-                if state.progress:  # after one more decode step (normally StopIteration)
+            while True:
+                phase, done, total = next(state.prefill)
+                if state.progress:
                     state.emit(Progress(phase, done, total))
-            return
+                if phase != "prefill" or done < total:
+                    return  # after the last unit, go on: the first token comes in this
+                    # turn (the next step ends the prefill), not after one more decode step
         except StopIteration as finished:
             self._prefilling = None
             cache, logits, shift = finished.value
