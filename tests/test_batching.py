@@ -292,3 +292,47 @@ def test_a_request_gets_its_first_token_in_the_turn_of_its_last_prefill_unit():
     assert len(progress) >= 2 and order[progress[-1]][2] == order[progress[-1]][3]
     assert "A" in order[progress[0]:progress[-1]]  # A decodes while B prefills
     assert order[progress[-1] + 1] == "B"
+
+
+def test_short_prompts_waiting_together_are_prefilled_in_one_turn():
+    """Short prompts queued behind a long prefill are prefilled in the same turn,
+    within one unit's cost, so they start decoding together: a stream decoding
+    alongside gets no token between their first tokens (it got one between each)."""
+    order, answers = [], {}
+    rng = np.random.default_rng(1)
+    shorts = {name: rng.integers(10, 4000, 40).tolist() for name in "BCD"}
+
+    async def run():
+        async with Engine(draft=None) as engine:
+            solo = {name: (await engine.generate(prompt, max_tokens=4, cache_prompt=False)).token_ids
+                    for name, prompt in shorts.items()}
+            decoding, prefilling = asyncio.Event(), asyncio.Event()
+
+            async def follow(name, prompt, **options):
+                tokens = []
+                async for chunk in engine.stream(prompt, cache_prompt=False, **options):
+                    if chunk.token_ids:
+                        order.append(name)
+                        tokens.extend(chunk.token_ids)
+                        decoding.set()
+                answers[name] = tokens
+
+            alongside = asyncio.create_task(follow("A", [5, 6, 7, 8], max_tokens=400,
+                                                   ignore_eos=True))
+            await decoding.wait()
+            long_prompt = rng.integers(10, 4000, 2000).tolist()
+            tasks = [asyncio.create_task(follow(
+                "E", long_prompt, max_tokens=1, specprefill=False,
+                on_progress=lambda p: prefilling.set()))]
+            await prefilling.wait()  # the short ones queue behind E's prefill
+            for name, prompt in shorts.items():
+                tasks.append(asyncio.create_task(follow(name, prompt, max_tokens=4)))
+            await asyncio.gather(*tasks)
+            alongside.cancel()
+            return solo
+
+    solo = asyncio.run(run())
+    assert "E" in order
+    firsts = [order.index(name) for name in "BCD"]
+    assert "A" not in order[min(firsts):max(firsts)]
+    assert {name: answers[name] for name in "BCD"} == solo

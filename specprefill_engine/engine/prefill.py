@@ -28,7 +28,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import UnsupportedModelError, chunked_prefill, select_chunks, sparse_prefill_steps
-from ..core.prefill import grid_cut, prefill_weight
+from ..core.prefill import chunk_cost, grid_cut, prefill_weight
 from ..core.adapters import check_sparse_prefill_supported
 from ..core.sparse_prefill import cover_sliding_window
 from .distributed import FROM_PREFILL
@@ -216,6 +216,18 @@ def _sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Gene
     report.selection_digest = hashlib.sha1(positions.astype(np.int64).tobytes()).hexdigest()[:16]
     state.positions = None if np.array_equal(positions, np.arange(length)) else positions
     return cache, logits, shift
+
+
+def short_prefill_cost(state: RequestState, runtime: Runtime) -> Optional[float]:
+    """The cost of a request's whole prefill in token-equivalents (`chunk_cost`), when
+    it is surely dense and fits one chunk; None otherwise (it may be scored by the draft,
+    or it spans units)."""
+    length, config = int(state.tokens.size), runtime.config
+    may_score = runtime.scorer is not None and (
+        state.specprefill is True or (state.specprefill is None and length >= state.threshold))
+    if may_score or length > config.step_size:
+        return None
+    return chunk_cost(length, 0, prefill_weight(runtime.model))
 
 
 def prefill_steps(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Generator:

@@ -7,7 +7,9 @@ freeing all happen here. Each turn of the loop:
 2. advances the oldest admitted prefill by one unit of at most `step_size` tokens
    (first come, first served: later arrivals never stretch an earlier TTFT), plus a
    last chunk costing at most a quarter of a unit, and samples its first token when
-   that was the last unit;
+   that was the last unit; then, while what is left of the unit's cost allows, it
+   prefills whole short prompts next in line, each in its own forward (its KV is what
+   it would be alone), so requests arriving together start decoding together;
 3. runs one batched decode step for every decoding request.
 So a decoding stream waits at most about one prefill unit between two tokens. A request
 is admitted to prefill while fewer than `max_batch_size` requests are running and
@@ -34,7 +36,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from .batch import DecodeBatch, SoloDecode, sample_rows
 from .delivery import one_delivery
 from .distributed import FROM_BATCH, FROM_SOLO, JOIN_BATCH, JOIN_DROP, JOIN_SOLO, Leader
-from .prefill import PrefixCaches, prefill_steps
+from ..core.prefill import chunk_cost, prefill_weight
+from .prefill import PrefixCaches, prefill_steps, short_prefill_cost
 from .prefix_cache import PrefixCache, reusable
 from .results import Progress
 from .runtime import EngineInfo, Runtime
@@ -173,10 +176,7 @@ class Scheduler:
         if not self._take_new(block=not busy and not self._waiting):
             return False
         self._end_aborted()
-        if self._prefilling is None:
-            self._admit(runtime)
-        if self._prefilling is not None:
-            self._prefill_unit(runtime, caches)
+        self._prefill_turn(runtime, caches)
         for group in list(self._decoding):
             if group.rows:
                 self._decode_step(group, caches.target)
@@ -212,23 +212,43 @@ class Scheduler:
                 for row in leaving:
                     self._finish(row, "abort")
 
-    def _admit(self, runtime: Runtime) -> None:
-        if not self._waiting:
-            return
+    def _prefill_turn(self, runtime: Runtime, caches: PrefixCaches) -> None:
+        """One unit of the oldest prefill; then whole short prefills while the unit's
+        cost is not spent (a prefill spanning units spends all of it)."""
+        unit = chunk_cost(runtime.config.step_size, 0, prefill_weight(runtime.model))
+        left = unit
+        while True:
+            cost = None
+            if self._prefilling is None:
+                if not self._waiting:
+                    return
+                cost = short_prefill_cost(self._waiting[0], runtime)
+                if left < unit and (cost is None or cost > left):
+                    return  # it waits for a turn of its own
+                if not self._admit(runtime):
+                    return
+            self._prefill_unit(runtime, caches)
+            if self._prefilling is not None or cost is None:
+                return
+            left -= cost
+
+    def _admit(self, runtime: Runtime) -> bool:
+        """Start the oldest waiting request's prefill, if the batch and KV budget allow."""
         state = self._waiting[0]
         running = sum(len(group.rows) for group in self._decoding)
         need = (state.tokens.size + state.max_tokens) * runtime.kv_bytes_per_token
         budget = runtime.config.kv_cache_bytes
         if running >= runtime.config.max_batch_size:
-            return
+            return False
         if budget is not None and running and self._reserved + need > budget:
-            return  # it waits; a request alone is always admitted
+            return False  # it waits; a request alone is always admitted
         self._waiting.popleft()
         state.handle = next(self._handles)
         state.reserved_bytes = need
         self._reserved += need
         state.start(runtime.tokenizer, self._make_constraint)
         self._prefilling = state
+        return True
 
     def _prefill_unit(self, runtime: Runtime, caches: PrefixCaches) -> None:
         state = self._prefilling
