@@ -294,13 +294,14 @@ def test_a_request_gets_its_first_token_in_the_turn_of_its_last_prefill_unit():
     assert order[progress[-1] + 1] == "B"
 
 
-def test_short_prompts_waiting_together_are_prefilled_in_one_turn():
-    """Short prompts queued behind a long prefill are prefilled in the same turn,
-    within one unit's cost, so they start decoding together: a stream decoding
-    alongside gets no token between their first tokens (it got one between each)."""
+def test_short_prompts_waiting_together_are_prefilled_four_to_a_turn():
+    """Short prompts queued behind a long prefill are prefilled four to a turn, so they
+    start decoding together: a stream decoding alongside gets no token between the first
+    tokens of the first four (it got one between each), and one before the fifth's (a
+    turn's unit is spent: tiny prompts would otherwise stall it for many forwards)."""
     order, answers = [], {}
     rng = np.random.default_rng(1)
-    shorts = {name: rng.integers(10, 4000, 40).tolist() for name in "BCD"}
+    shorts = {name: rng.integers(10, 4000, 40).tolist() for name in "BCDFG"}
 
     async def run():
         async with Engine(draft=None) as engine:
@@ -333,6 +334,8 @@ def test_short_prompts_waiting_together_are_prefilled_in_one_turn():
 
     solo = asyncio.run(run())
     assert "E" in order
-    firsts = [order.index(name) for name in "BCD"]
-    assert "A" not in order[min(firsts):max(firsts)]
-    assert {name: answers[name] for name in "BCD"} == solo
+    firsts = [order.index(name) for name in "BCDFG"]
+    assert firsts == sorted(firsts)  # first come, first served
+    assert "A" not in order[firsts[0]:firsts[3]]
+    assert "A" in order[firsts[3]:firsts[4]]
+    assert {name: answers[name] for name in "BCDFG"} == solo

@@ -7,9 +7,10 @@ freeing all happen here. Each turn of the loop:
 2. advances the oldest admitted prefill by one unit of at most `step_size` tokens
    (first come, first served: later arrivals never stretch an earlier TTFT), plus a
    last chunk costing at most a quarter of a unit, and samples its first token when
-   that was the last unit; then, while what is left of the unit's cost allows, it
-   prefills whole short prompts next in line, each in its own forward (its KV is what
-   it would be alone), so requests arriving together start decoding together;
+   that was the last unit; a turn that starts with a whole short prompt (surely dense,
+   one chunk) goes on with the short prompts next in line, up to one unit's cost and
+   four prompts, each in its own forward (its KV is what it would be alone), so
+   requests arriving together start decoding together;
 3. runs one batched decode step for every decoding request.
 So a decoding stream waits at most about one prefill unit between two tokens. A request
 is admitted to prefill while fewer than `max_batch_size` requests are running and
@@ -33,10 +34,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..core.prefill import chunk_cost, prefill_weight
 from .batch import DecodeBatch, SoloDecode, sample_rows
 from .delivery import one_delivery
 from .distributed import FROM_BATCH, FROM_SOLO, JOIN_BATCH, JOIN_DROP, JOIN_SOLO, Leader
-from ..core.prefill import chunk_cost, prefill_weight
 from .prefill import PrefixCaches, prefill_steps, short_prefill_cost
 from .prefix_cache import PrefixCache, reusable
 from .results import Progress
@@ -45,6 +46,7 @@ from .state import RequestState
 
 logger = logging.getLogger(__name__)
 _STOP = object()
+SHORT_PREFILL_FLOOR = 0.25  # the least share of a turn's unit a packed short prefill counts
 
 
 class EngineFailedError(RuntimeError):
@@ -213,24 +215,28 @@ class Scheduler:
                     self._finish(row, "abort")
 
     def _prefill_turn(self, runtime: Runtime, caches: PrefixCaches) -> None:
-        """One unit of the oldest prefill; then whole short prefills while the unit's
-        cost is not spent (a prefill spanning units spends all of it)."""
+        """One unit of the oldest prefill. A turn that starts with a whole short prompt
+        goes on with the short prompts next in line while the unit's cost is not spent;
+        each counts at least `SHORT_PREFILL_FLOOR` of it (a forward, its sync and the
+        first token cost host time whatever the length), so at most four share a turn."""
         unit = chunk_cost(runtime.config.step_size, 0, prefill_weight(runtime.model))
-        left = unit
+        spent = 0.0
         while True:
             cost = None
             if self._prefilling is None:
-                if not self._waiting:
-                    return
+                if not self._waiting or self._waiting[0].cancelled.is_set():
+                    return  # a cancelled request ends at the next turn's start
                 cost = short_prefill_cost(self._waiting[0], runtime)
-                if left < unit and (cost is None or cost > left):
+                if cost is not None:
+                    cost = max(cost, SHORT_PREFILL_FLOOR * unit)
+                if spent and (cost is None or spent + cost > unit * (1 + 1e-9)):
                     return  # it waits for a turn of its own
                 if not self._admit(runtime):
                     return
             self._prefill_unit(runtime, caches)
             if self._prefilling is not None or cost is None:
-                return
-            left -= cost
+                return  # a prefill spanning units spends the whole turn
+            spent += cost
 
     def _admit(self, runtime: Runtime) -> bool:
         """Start the oldest waiting request's prefill, if the batch and KV budget allow."""
