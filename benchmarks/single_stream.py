@@ -9,7 +9,6 @@ token to an event loop that shares the GIL with the worker.
     python benchmarks/single_stream.py --shape qwen3-8b --repeats 12     # GPU, random weights
 """
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -24,7 +23,7 @@ from mlx_lm.generate import generate_step
 from random_models import random_model_dir
 from specprefill_engine import Engine
 from specprefill_engine.loading import load_model
-from throughput import prompts
+from throughput import decode_arguments, prompts
 
 
 def tokens_per_s(stamps: list) -> float:
@@ -88,13 +87,7 @@ async def main_async(args) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", help="random-weight Qwen3 shape (e.g. qwen3-8b); default: demo target")
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--json", help="write the summary here")
-    args = parser.parse_args()
+    args = decode_arguments(__doc__, repeats=6).parse_args()
     summary = asyncio.run(main_async(args))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))

@@ -13,7 +13,6 @@ goes to the engine's own work and how much to the host's speed.
     python benchmarks/step_host_time.py --shape qwen3-8b --repeats 6             # GPU, random weights
 """
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -34,7 +33,7 @@ from specprefill_engine.core.scoring import run_steps
 from specprefill_engine.engine.batch import DecodeBatch
 from specprefill_engine.engine.sampling import SamplingParams
 from specprefill_engine.loading import load_model
-from throughput import prompts
+from throughput import decode_arguments, prompts
 
 
 def thread_cpu(ident: int) -> float:
@@ -142,13 +141,8 @@ async def main_async(args) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", help="random-weight Qwen3 shape (e.g. qwen3-8b); default: demo target")
+    parser = decode_arguments(__doc__, repeats=5)
     parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", help="write the medians and every run here")
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))

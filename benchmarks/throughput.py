@@ -177,16 +177,22 @@ async def main_async(args) -> list:
     return rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def decode_arguments(doc: str, repeats: int) -> argparse.ArgumentParser:
+    """The options the decode benchmarks share (this one, single_stream, step_host_time)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--shape", help="random-weight Qwen3 shape (e.g. qwen3-8b); default: demo target")
-    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help="runs per measurement and side, alternating; medians reported")
+    parser.add_argument("--json", help="write the results here")
+    return parser
+
+
+def main():
+    parser = decode_arguments(__doc__, repeats=3)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--long-prompt", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per stream count and side, alternating; medians reported")
-    parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     rows = asyncio.run(main_async(args))
     if args.json:

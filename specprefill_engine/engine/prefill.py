@@ -218,16 +218,17 @@ def _sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Gene
     return cache, logits, shift
 
 
-def short_prefill_cost(state: RequestState, runtime: Runtime) -> Optional[float]:
-    """The cost of a request's whole prefill in token-equivalents (`chunk_cost`), when
-    it is surely dense and fits one chunk; None otherwise (it may be scored by the draft,
-    or it spans units)."""
+def short_prefill_share(state: RequestState, runtime: Runtime) -> Optional[float]:
+    """A request's whole prefill as a share of one unit's cost (`chunk_cost`), when it is
+    surely dense and fits one chunk; None otherwise (it may be scored by the draft, or
+    it spans units)."""
     length, config = int(state.tokens.size), runtime.config
     may_score = runtime.scorer is not None and (
         state.specprefill is True or (state.specprefill is None and length >= state.threshold))
     if may_score or length > config.step_size:
         return None
-    return chunk_cost(length, 0, prefill_weight(runtime.model))
+    weight = prefill_weight(runtime.model)
+    return chunk_cost(length, 0, weight) / chunk_cost(config.step_size, 0, weight)
 
 
 def prefill_steps(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Generator:

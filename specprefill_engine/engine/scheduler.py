@@ -34,11 +34,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..core.prefill import chunk_cost, prefill_weight
 from .batch import DecodeBatch, SoloDecode, sample_rows
 from .delivery import one_delivery
 from .distributed import FROM_BATCH, FROM_SOLO, JOIN_BATCH, JOIN_DROP, JOIN_SOLO, Leader
-from .prefill import PrefixCaches, prefill_steps, short_prefill_cost
+from .prefill import PrefixCaches, prefill_steps, short_prefill_share
 from .prefix_cache import PrefixCache, reusable
 from .results import Progress
 from .runtime import EngineInfo, Runtime
@@ -219,24 +218,23 @@ class Scheduler:
         goes on with the short prompts next in line while the unit's cost is not spent;
         each counts at least `SHORT_PREFILL_FLOOR` of it (a forward, its sync and the
         first token cost host time whatever the length), so at most four share a turn."""
-        unit = chunk_cost(runtime.config.step_size, 0, prefill_weight(runtime.model))
-        spent = 0.0
+        spent = 0.0  # share of the unit
         while True:
-            cost = None
+            share = None
             if self._prefilling is None:
                 if not self._waiting or self._waiting[0].cancelled.is_set():
                     return  # a cancelled request ends at the next turn's start
-                cost = short_prefill_cost(self._waiting[0], runtime)
-                if cost is not None:
-                    cost = max(cost, SHORT_PREFILL_FLOOR * unit)
-                if spent and (cost is None or spent + cost > unit * (1 + 1e-9)):
+                share = short_prefill_share(self._waiting[0], runtime)
+                if share is not None:
+                    share = max(share, SHORT_PREFILL_FLOOR)
+                if spent and (share is None or spent + share > 1 + 1e-9):
                     return  # it waits for a turn of its own
                 if not self._admit(runtime):
                     return
             self._prefill_unit(runtime, caches)
-            if self._prefilling is not None or cost is None:
+            if self._prefilling is not None or share is None:
                 return  # a prefill spanning units spends the whole turn
-            spent += cost
+            spent += share
 
     def _admit(self, runtime: Runtime) -> bool:
         """Start the oldest waiting request's prefill, if the batch and KV budget allow."""
@@ -265,9 +263,10 @@ class Scheduler:
                 phase, done, total = next(state.prefill)
                 if state.progress:
                     state.emit(Progress(phase, done, total))
+                # after the last unit, go on: the first token comes in this turn (the
+                # next step ends the prefill), not after one more decode step
                 if phase != "prefill" or done < total:
-                    return  # after the last unit, go on: the first token comes in this
-                    # turn (the next step ends the prefill), not after one more decode step
+                    return
         except StopIteration as finished:
             self._prefilling = None
             cache, logits, shift = finished.value
