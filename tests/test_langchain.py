@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from langchain_specprefill import ChatSpecPrefill
 from langchain_specprefill.chat_model import ToolsNotSupportedError, shared_engine
 from langchain_specprefill.messages import UnsupportedContentError
-from langchain_specprefill.tool_calls import OutputParser, split_tool_calls
+from specprefill_engine.engine.tool_calls import OutputParser, split_tool_calls
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.loading import DEMO_TARGET
 

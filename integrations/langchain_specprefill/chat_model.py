@@ -34,7 +34,7 @@ from pydantic import Field
 from specprefill_engine import Engine
 
 from .messages import to_chat_messages
-from .tool_calls import OutputParser
+from specprefill_engine.engine.tool_calls import OutputParser
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                    "repetition_penalty", "seed")

@@ -1,4 +1,5 @@
-"""Split a model's streamed text into content, reasoning and tool calls.
+"""Split a model's streamed text into content, reasoning and tool calls (shared by the
+LangChain chat model and the HTTP server).
 
 mlx-lm's tokenizer wrapper knows the model family's tool-call markers
 (`tool_call_start` / `tool_call_end`) and a `tool_parser` for what lies between
