@@ -1,26 +1,40 @@
 """The automatic policy (specprefill=None): engage only where the predicted gain
-beats the margin, from costs measured on this machine."""
+beats the margin, from the models' shapes refined by the prefills the engine runs."""
 
 import pytest
 
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_case
-from specprefill_engine.engine.policy import CostModel, predict
+from specprefill_engine.engine.policy import CostModel, Shape, predict
 from specprefill_engine.loading import DEMO_TARGET
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_the_cost_fit_recovers_a_linear_plus_quadratic_law():
-    costs = CostModel()
-    for length in (128, 512, 2048, 8192):
-        costs.observe("target", length, 2e-4 * length + 3e-8 * length**2)
-        costs.observe("draft", length, 4e-5 * length + 1e-8 * length**2)
-    assert costs.predict("target", 32768) == pytest.approx(2e-4 * 32768 + 3e-8 * 32768**2, rel=1e-6)
+def test_the_cost_fit_recovers_a_weights_plus_attention_law():
+    target, draft = Shape(8_000_000_000, 36 * 32 * 128), Shape(600_000_000, 28 * 16 * 128)
+    costs = CostModel(target, draft)
+
+    def law(shape, rate_w, rate_a, tokens, cached):
+        weights, attention = shape.flops(tokens, cached)
+        return rate_w * weights + rate_a * attention
+
+    for tokens, cached in ((128, 0), (512, 0), (2048, 2048), (8192, 0)):
+        costs.observe("target", tokens, cached, law(target, 1e-14, 3e-14, tokens, cached))
+        costs.observe("draft", tokens, cached, law(draft, 5e-14, 9e-14, tokens, cached))
+    expected = law(target, 1e-14, 3e-14, 32768, 0)
+    assert costs.predict("target", 32768) == pytest.approx(expected, rel=1e-6)
     prediction = predict(costs, 32768, 0, 0, 3277)
     assert prediction.dense_s > prediction.specprefill_s
     # with most of the prompt cached for the target only, dense wins
     assert predict(costs, 32768, 32000, 0, 3277).gain < 1
+
+
+def test_before_any_prefill_the_flop_ratio_decides():
+    costs = CostModel(Shape(1_000_000, 0), Shape(100_000, 0))
+    assert predict(costs, 4000, 0, 0, 1000).gain == pytest.approx(1 / (0.1 + 0.25))
+    costs.observe("target", 1000, 0, 2.0)  # one observation sets the rate of both models
+    assert costs.predict("draft", 1000) == pytest.approx(0.2)
 
 
 def test_on_this_cpu_the_policy_engages_at_2k_and_says_why(demo_pair):

@@ -122,6 +122,25 @@ def _forward(model: nn.Module, inputs: mx.array, cache, positions: Optional[np.n
         return model(inputs, cache=cache)
 
 
+def prefill_chunk(model: nn.Module, tokens: mx.array, cache: list,
+                  positions: Optional[np.ndarray] = None, want_logits: bool = False):
+    """One forward of `tokens` (1-D) into `cache`, evaluated; the last token's logits,
+    shape (1, 1, vocab), when `want_logits`, else None. `positions`: each token's
+    absolute position (sparse prefill), else they follow the cache."""
+    output = _forward(model, tokens[None], cache, positions)
+    if want_logits:
+        logits = logits_of(output)[:, -1:, :]
+        mx.eval(logits, [c.state for c in cache])
+        return logits
+    mx.eval([c.state for c in cache])
+    return None
+
+
+def cache_length(cache: list) -> int:
+    """Entries the cache holds (the first layer with an integer offset)."""
+    return next((c.offset for c in cache if isinstance(getattr(c, "offset", None), int)), 0)
+
+
 def chunked_prefill(
     model: nn.Module,
     tokens: mx.array,
@@ -145,16 +164,11 @@ def chunked_prefill(
     tokens = tokens.reshape(-1)
     total = tokens.size
     weight = prefill_weight(model, balanced)
-    cached = next((c.offset for c in cache if isinstance(getattr(c, "offset", None), int)), 0)
     logits, start = None, 0
-    for end, pause in chunk_plan(total, cached, step_size, weight):
+    for end, pause in chunk_plan(total, cache_length(cache), step_size, weight):
         chunk_positions = None if positions is None else positions[start:end]
-        output = _forward(model, tokens[start:end][None], cache, chunk_positions)
-        if want_logits and end == total:
-            logits = logits_of(output)[:, -1:, :]
-            mx.eval(logits, [c.state for c in cache])
-        else:
-            mx.eval([c.state for c in cache])
+        logits = prefill_chunk(model, tokens[start:end], cache, chunk_positions,
+                               want_logits and end == total)
         start = end
         if pause:
             yield end, total

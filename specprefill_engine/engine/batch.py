@@ -9,8 +9,13 @@ entries yet must decode at position M + t, so its offset moves by M - N when it
 joins; no wrapper is put on the model.
 
 Steps are pipelined as in mlx-lm's `generate_step`: the next forward is queued
-before the tokens of the previous one are read back. With a sharded target (`group`)
-rank 0's sampled tokens reach the other ranks inside that same graph.
+before the tokens of the previous one are read back. Logits processors see a row's
+tokens as a lazy array (mlx-lm's `TokenBuffer`), so a repetition penalty needs no host
+read; a row with processors has the forward queued before they run, so one that reads
+the host (a grammar) works while the forward computes. A processor that fails, or returns
+logits of another shape, fails its own row only. With a sharded target (`group`) rank
+0's sampled tokens reach the other ranks inside that same graph; the other ranks
+(`sampling=False`) sample nothing and read nothing.
 """
 
 from types import SimpleNamespace
@@ -18,7 +23,9 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    BatchKVCache, BatchRotatingKVCache, CacheList, KVCache, TokenBuffer, make_prompt_cache,
+)
 
 from ..core import positioned_rope
 from ..core.adapters import takes_position_ids
@@ -35,26 +42,32 @@ def broadcast_tokens(tokens: mx.array, group) -> mx.array:
     return mx.distributed.all_sum(tokens.astype(mx.int32), group=group).astype(mx.uint32)
 
 
-def _processed(row: RequestState, logits: mx.array) -> mx.array:
-    generated = mx.array(row.generated, dtype=mx.int32)
+def _processed(row: RequestState, context: mx.array, logits: mx.array) -> mx.array:
+    shape = logits.shape
     for processor in row.processors:
-        logits = processor(generated, logits)
-    if logits.ndim != 2 or logits.shape[0] != 1:
-        raise ValueError(f"a logits processor returned shape {logits.shape}, not (1, vocab)")
+        logits = processor(context, logits)
+    if logits.shape != shape:
+        raise ValueError(f"a logits processor returned shape {logits.shape}, not {shape}")
     return logits
 
 
-def sample_rows(rows: list, logits: mx.array) -> mx.array:
-    """(B, vocab) logits -> (B,) tokens: each row's processors, then its sampler."""
+def sample_rows(rows: list, logits: mx.array, contexts: Optional[list] = None,
+                failed: Optional[dict] = None) -> mx.array:
+    """(B, vocab) logits -> (B,) tokens: each row's processors (seeing `contexts[i]`, its
+    tokens so far), then its sampler. A row whose processors raise is sampled from its
+    raw logits and recorded in `failed` (row -> error); the others are unaffected."""
     if any(row.processors for row in rows):
         parts = []
         for index, row in enumerate(rows):
             row_logits = logits[index : index + 1]
             if row.processors:
                 try:
-                    row_logits = _processed(row, row_logits)
+                    context = contexts[index] if contexts else mx.array(row.generated, mx.int32)
+                    row_logits = _processed(row, context, row_logits)
                 except Exception as error:  # this row fails; the others go on
-                    row.error = error
+                    if failed is None:
+                        raise
+                    failed[row] = error
                     row_logits = logits[index : index + 1]
             parts.append(row_logits)
         logits = mx.concatenate(parts, axis=0)
@@ -101,8 +114,31 @@ def batching_support(model: nn.Module) -> str:
     return ""
 
 
+def cut_cache(cache: list, count: int) -> list:
+    """The first `count` entries of a row's plain KV caches, as views (no copy): a
+    later write into the live cache copies its buffer first (MLX arrays are values)."""
+    cut = []
+    for layer in cache:
+        part = KVCache()
+        part.keys, part.values = layer.keys[..., :count, :], layer.values[..., :count, :]
+        part.offset = count
+        cut.append(part)
+    return cut
+
+
+def _saved(layer):
+    """A way back to a cache layer's present state (its fields are arrays and lists
+    that `extend` and `filter` replace, never write into)."""
+    if isinstance(layer, CacheList):
+        parts = [_saved(c) for c in layer.caches]
+        caches = layer.caches
+        return lambda: (setattr(layer, "caches", caches), [restore() for restore in parts])
+    fields = {k: list(v) if isinstance(v, list) else v for k, v in vars(layer).items()}
+    return lambda: vars(layer).update(fields)
+
+
 # stands in for a row that has left but whose cache row is still there
-_VACANT = SimpleNamespace(processors=[], params=SamplingParams(), error=None,
+_VACANT = SimpleNamespace(processors=[], params=SamplingParams(),
                           sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
 
 
@@ -114,64 +150,82 @@ class DecodeBatch:
     rows that started at different times leave at different steps.
     """
 
-    def __init__(self, model: nn.Module, group=None, follower: bool = False):
+    def __init__(self, model: nn.Module, group=None, sampling: bool = True):
         self.model = model
         self.group = group  # a distributed group: tokens come from rank 0
-        self.follower = follower  # a rank > 0: it samples nothing, reads nothing
-        self.slots: list = []  # RequestState, or None once its row has left
+        self.sampling = sampling  # rank 0 samples; the other ranks follow its tokens
+        self.slots: list = []  # a row, or None once it has left
+        self.contexts: list = []  # per slot: its tokens for processors (TokenBuffer) or None
         self.cache: Optional[list] = None
         self.inputs: Optional[mx.array] = None  # (B,) next tokens to feed, maybe not evaluated
         self._known: list[bool] = []  # whether a slot's input token was already handed out
         self.plain = False  # one row on its own plain cache
 
     @property
-    def rows(self) -> list[RequestState]:
+    def rows(self) -> list:
         return [row for row in self.slots if row is not None]
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, row: RequestState, cache: list, first_token: int, shift: int) -> None:
-        """Join a row whose first token was already sampled and handed out.
+    def add(self, row, cache: list, first_token: int, shift: int) -> None:
+        """Join a row whose first token was already sampled and handed out. All or
+        nothing: if joining fails (the copy into the batch cannot be allocated), the
+        batch is as it was and the error is raised for this row alone.
 
         A lone row at its cache's own positions decodes on its plain cache, as mlx-lm's
         generate_step does (a batch cache's mask and per-row offsets cost ~20% per
         token there); the batch cache takes over when a second row joins."""
-        self._compact()
-        token = mx.array([first_token], dtype=mx.uint32)
-        if self.cache is None:
-            self.plain = shift == 0
-            self.cache = cache if self.plain else as_batch_of_one(cache, shift)
-            self.inputs = token
-        else:
-            if self.plain:
-                self.cache, self.plain = as_batch_of_one(self.cache, 0), False
-            for layer, other in zip(self.cache, as_batch_of_one(cache, shift)):
-                layer.extend(other)
-            self.inputs = mx.concatenate([self.inputs, token])
-        self.slots.append(row)
-        self._known.append(True)
+        layers = [_saved(layer) for layer in self.cache or []]
+        before = (self.slots, self.contexts, self._known, self.cache, self.inputs, self.plain)
+        try:
+            self._compact()
+            token = mx.array([first_token], dtype=mx.uint32)
+            if self.cache is None:
+                self.plain = shift == 0
+                self.cache = cache if self.plain else as_batch_of_one(cache, shift)
+                self.inputs = token
+            else:
+                if self.plain:
+                    self.cache, self.plain = as_batch_of_one(self.cache, 0), False
+                for layer, other in zip(self.cache, as_batch_of_one(cache, shift)):
+                    layer.extend(other)
+                self.inputs = mx.concatenate([self.inputs, token])
+            if not self.plain:
+                mx.eval(self.inputs, [layer.state for layer in self.cache])
+        except BaseException:
+            for restore in layers:
+                restore()
+            self.slots, self.contexts, self._known, self.cache, self.inputs, self.plain = before
+            raise
+        self.slots = self.slots + [row]
+        self.contexts = self.contexts + [TokenBuffer() if row.processors else None]
+        self._known = self._known + [True]
 
-    def step(self) -> list[tuple[RequestState, int]]:
+    def step(self) -> tuple[list, dict]:
         """Queue one forward for every slot; return the tokens sampled by the previous
-        step, (row, token) for each row, now that they are needed."""
+        step, (row, token) for each row, now that they are needed, and the rows whose
+        processors failed in this one (row -> error)."""
         inputs = self.inputs
         logits = logits_of(self.model(inputs[:, None], cache=self.cache))[:, -1, :]
-        if self.follower:
+        if not self.sampling:
             self.inputs = broadcast_tokens(mx.argmax(logits, axis=-1) * 0, self.group)
             mx.async_eval(self.inputs)
-            return []
-        produced = []
-        if any(row.processors for row in self.rows):
-            produced = self._read(inputs)  # processors see every token fed so far
-        self.inputs = sample_rows([row or _VACANT for row in self.slots], logits)
+            return [], {}
+        rows = [row or _VACANT for row in self.slots]
+        contexts = None
+        if any(row.processors for row in rows):
+            mx.async_eval(logits)  # the forward computes while host-side processors run
+            contexts = [None if buffer is None else buffer.update_and_fetch(inputs[i : i + 1])
+                        for i, buffer in enumerate(self.contexts)]
+        failed: dict = {}
+        self.inputs = sample_rows(rows, logits, contexts, failed)
         if self.group is not None:
             self.inputs = broadcast_tokens(self.inputs, self.group)
-        mx.async_eval(self.inputs)
-        if not produced:
-            produced = self._read(inputs)
+        mx.async_eval(self.inputs, [c for c in contexts or [] if c is not None])
+        produced = self._read(inputs)
         self._known = [False] * len(self.slots)
-        return produced
+        return produced, failed
 
     def _read(self, inputs: mx.array) -> list:
         produced = []
@@ -182,18 +236,31 @@ class DecodeBatch:
         self._known = [True] * len(self.slots)
         return produced
 
-    def extract(self, row: RequestState) -> list:
-        """One row's cache as plain per-layer caches (its left padding removed)."""
+    def extract(self, row, count: int) -> list:
+        """A row's first `count` cache entries as plain per-layer caches (its left
+        padding removed): views on a lone row's own cache, else one copy each."""
         if self.plain:
-            return self.cache
+            return cut_cache(self.cache, count)
         index = self.slots.index(row)
-        return [layer.extract(index) for layer in self.cache]
+        extracted = []
+        for layer in self.cache:
+            if isinstance(layer, BatchKVCache):
+                padding = int(layer.left_padding[index].item())
+                part = KVCache()
+                part.keys = mx.contiguous(layer.keys[index : index + 1, :, padding : padding + count])
+                part.values = mx.contiguous(layer.values[index : index + 1, :, padding : padding + count])
+                part.offset = count
+                extracted.append(part)
+            else:
+                extracted.append(layer.extract(index))
+        return extracted
 
     def remove(self, leaving: set) -> None:
         """Rows leave (finished or aborted); their cache rows go at the next compaction."""
         self.slots = [None if row in leaving else row for row in self.slots]
+        self.contexts = [None if row is None else c for row, c in zip(self.slots, self.contexts)]
         if not self.rows:
-            self.slots, self._known, self.cache, self.inputs = [], [], None, None
+            self.slots, self.contexts, self._known, self.cache, self.inputs = [], [], [], None, None
         elif 2 * self.slots.count(None) >= len(self.slots):
             self._compact()
 
@@ -202,6 +269,7 @@ class DecodeBatch:
         if len(keep) == len(self.slots):
             return
         self.slots = [self.slots[i] for i in keep]
+        self.contexts = [self.contexts[i] for i in keep]
         self._known = [self._known[i] for i in keep]
         if not keep:
             self.cache = self.inputs = None
@@ -216,27 +284,30 @@ class SoloDecode:
     """One row of a model whose caches cannot be batched: a forward per step, its
     positions set for that call (the prefill's per-call handling) and cleared after."""
 
-    def __init__(self, model: nn.Module, row: RequestState, cache: list, first_token: int,
-                 shift: int, group=None, follower: bool = False):
+    def __init__(self, model: nn.Module, row, cache: list, first_token: int, shift: int,
+                 group=None, sampling: bool = True):
         self.model, self.row, self.cache, self.shift = model, row, cache, shift
-        self.group, self.follower = group, follower
+        self.group, self.sampling = group, sampling
         self.rows = [row]
         self.token = first_token
 
-    def extract(self, row: RequestState) -> list:
-        return self.cache
+    def extract(self, row, count: int) -> list:
+        return cut_cache(self.cache, count)
 
-    def step(self) -> list[tuple[RequestState, int]]:
+    def remove(self, leaving: set) -> None:
+        self.rows = [row for row in self.rows if row not in leaving]
+
+    def step(self) -> tuple[list, dict]:
         with positioned_rope(self.model, shift=self.shift):
             output = self.model(mx.array([[self.token]]), cache=self.cache)
         logits = logits_of(output)[:, -1, :]
-        if self.follower:
-            token = broadcast_tokens(mx.argmax(logits, axis=-1) * 0, self.group)
-            self.token = token.item()
-            return []
-        token = sample_rows(self.rows, logits)
+        if not self.sampling:
+            self.token = broadcast_tokens(mx.argmax(logits, axis=-1) * 0, self.group).item()
+            return [], {}
+        failed: dict = {}
+        token = sample_rows(self.rows, logits, None, failed)
         if self.group is not None:
             token = broadcast_tokens(token, self.group)
         self.token = token.item()
         self.row.generated.append(self.token)
-        return [(self.row, self.token)]
+        return [(self.row, self.token)], failed

@@ -2,37 +2,38 @@
 
 Under `mlx.launch` every rank runs the same program. Each loads its shard of the
 target (mlx-lm's `Model.shard`, tensor parallel); rank 0 alone loads the draft and
-owns the tokenizer, the scheduler and the requests. Every target operation
-(cache restore, prefill chunk, decode step, batch join/leave, prefix-cache store)
-must run in the same order on every rank, since each forward holds collectives. So
-rank 0 announces each one on a command channel before running it, and the other
-ranks (`serve`) replay it with the same calls and arguments.
+owns the tokenizer, the scheduler and the requests. Every forward of the sharded
+target holds collectives, so every rank must run the same target work in the same
+order: rank 0 broadcasts each turn's plan (`plan.py`) and every rank runs it with the
+same executor (`executor.py`). The other ranks keep no state of their own beyond what
+the plans build: caches by request handle, the batch, prefix-cache entries by key.
 
-The channel is `all_sum` over int32 arrays in which only rank 0 writes (a
-broadcast): a fixed header, then a payload of the length the header names. The
-tokens a decode step samples travel inside the step's graph (an `all_sum` of rank
-0's tokens and the followers' zeros), so decode stays pipelined. A group of size 1
-is no group: the single-process engine sends nothing.
+The broadcast is `all_sum` over int32 arrays in which only rank 0 writes: the plan's
+length, then the plan. Rank 0 queues it without waiting (a host sync there would wait
+for the decode step in flight). The tokens a decode step samples travel inside the
+step's graph (an `all_sum` of rank 0's tokens and the others' zeros), so decode stays
+pipelined. A group of size 1 is no group: the single-process engine sends nothing.
+
+Liveness: a rank that exits or fails (a follower's error ends its process) breaks the
+ring, and rank 0's next collective raises; rank 0 then fails every request and shuts
+down. A rank that stops answering without exiting is caught by `Watchdog`: a turn that
+takes longer than `rank_timeout` seconds fails every request with a clear error.
 """
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
-from typing import Callable, Generator, Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from .batch import DecodeBatch, SoloDecode
+from .executor import Executor
+from .plan import TurnPlan, decode, encode
 from .prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
-
-HEADER = 8
-(RESTORE, DENSE, SPARSE, NEXT, RELEASE, JOIN, STEP, REMOVE, STORE, CALIBRATE,
- SHUTDOWN) = range(1, 12)
-JOIN_DROP, JOIN_BATCH, JOIN_SOLO = 0, 1, 2
-FROM_PREFILL, FROM_BATCH, FROM_SOLO = 0, 1, 2
 
 
 class FollowerRankError(RuntimeError):
@@ -45,214 +46,74 @@ def distributed_group() -> Optional[mx.distributed.Group]:
     return group if group.size() > 1 else None
 
 
+def agree(group, failed: bool) -> int:
+    """Every rank says whether it failed; how many did (all ranks learn the same)."""
+    flags = mx.distributed.all_sum(mx.array([int(failed)], dtype=mx.int32), group=group)
+    return int(flags.item())
+
+
 class Channel:
+    """Rank 0 posts each turn's plan; the other ranks receive it."""
+
     def __init__(self, group):
         self.group = group
-        self.rank = group.rank()
         self._in_flight: Optional[mx.array] = None  # rank 0's last posted broadcast
 
-    def _exchange(self, values: np.ndarray) -> np.ndarray:
-        return np.array(mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group))
-
     def _post(self, values: np.ndarray) -> None:
-        """Rank 0's side of an exchange: it knows what it sends, so it queues the
-        collective without waiting for it (a host sync here would wait for the decode
-        step in flight on the same stream, and undo decode pipelining)."""
         sent = mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group)
         mx.async_eval(sent)
         self._in_flight = sent
 
-    def send(self, op: int, *args: int, payload=None) -> None:
-        """Rank 0 only: one command, its header then its payload."""
-        payload = np.zeros(0, np.int32) if payload is None else np.asarray(payload, np.int32)
-        header = np.zeros(HEADER, np.int32)
-        header[0], header[1] = op, payload.size
-        header[2 : 2 + len(args)] = args
-        self._post(header)
-        if payload.size:
-            self._post(payload)
+    def post(self, plan: TurnPlan) -> None:
+        body = encode(plan)
+        self._post(np.array([body.size], np.int32))
+        if body.size:
+            self._post(body)
+        if plan.shutdown:
+            mx.eval(self._in_flight)  # delivered before this rank moves on or exits
 
-    def receive(self) -> tuple[int, list, np.ndarray]:
-        """Ranks > 0: the next command (op, header arguments, payload)."""
-        header = self._exchange(np.zeros(HEADER, np.int32))
-        size = int(header[1])
-        payload = self._exchange(np.zeros(size, np.int32)) if size else np.zeros(0, np.int32)
-        return int(header[0]), [int(v) for v in header[2:]], payload
+    def _exchange(self, size: int) -> np.ndarray:
+        zeros = mx.zeros((size,), dtype=mx.int32)
+        return np.array(mx.distributed.all_sum(zeros, group=self.group))
 
-
-class Leader(Channel):
-    """Rank 0's side: announces each target operation just before running it."""
-
-    def restore(self, handle: int, hit, cut: int) -> None:
-        key, count = -1, 0
-        if hit is not None and cut > 0:
-            key, count = hit.entry.key, hit.entry.count_before(cut)
-        self.send(RESTORE, handle, key, count)
-
-    def prefill(self, handle: int, steps: Generator, tokens: np.ndarray, step_size: int,
-                kept: Optional[np.ndarray] = None, cut: int = 0) -> Generator:
-        """`steps` (a core prefill generator), each chunk announced; a prefill left
-        early (cancelled, failed) is released on every rank."""
-        if kept is None:
-            self.send(DENSE, handle, step_size, payload=tokens)
-        else:
-            self.send(SPARSE, handle, step_size, cut, tokens.size,
-                      payload=np.concatenate([tokens, kept]))
-        finished = False
-        try:
-            while True:
-                self.send(NEXT, handle)
-                try:
-                    item = next(steps)
-                except StopIteration as done:
-                    finished = True
-                    return done.value
-                yield item
-        finally:
-            if not finished:
-                steps.close()
-                self.send(RELEASE, handle)
-
-    def join(self, handle: int, mode: int, token: int = 0, shift: int = 0) -> None:
-        self.send(JOIN, handle, mode, token, shift)
-
-    def step(self, group) -> None:
-        self.send(STEP, group.row.handle if isinstance(group, SoloDecode) else -1)
-
-    def remove(self, group, rows) -> None:
-        if isinstance(group, SoloDecode):
-            self.send(REMOVE, group.row.handle)
-        else:
-            self.send(REMOVE, -1, payload=[row.handle for row in rows])
-
-    def stored(self, store: PrefixCache, source: int, handle: int, key: Optional[int],
-               count: int) -> None:
-        """After `store.store`: the entry it kept (if any) and the ones it dropped."""
-        dropped, store.dropped = store.dropped, []
-        if key is not None or dropped:
-            self.send(STORE, source, handle, -1 if key is None else key, count, payload=dropped)
-
-    def calibrate(self, step_size: int) -> None:
-        self.send(CALIBRATE, step_size)
-
-    def shutdown(self) -> None:
-        self.send(SHUTDOWN)
-        mx.eval(self._in_flight)  # delivered before this rank moves on or exits
+    def receive(self) -> TurnPlan:
+        size = int(self._exchange(1)[0])
+        return decode(self._exchange(size)) if size else TurnPlan()
 
 
-class _Row:
-    """A follower's stand-in for a request in a batch: only its identity matters."""
+class Watchdog:
+    """On rank 0: calls `on_timeout(seconds)` once if a turn runs longer than `timeout`
+    (a rank stopped answering inside a collective, which cannot be interrupted)."""
 
-    __slots__ = ("handle", "processors")
+    def __init__(self, timeout: float, on_timeout: Callable[[float], None]):
+        self.timeout, self.on_timeout = timeout, on_timeout
+        self.turn_started: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="specprefill-watchdog",
+                                        daemon=True)
+        self._thread.start()
 
-    def __init__(self, handle: int):
-        self.handle, self.processors = handle, []
-
-
-class Follower(Channel):
-    """Ranks > 0: replay rank 0's target operations until it shuts down."""
-
-    def __init__(self, group, model):
-        super().__init__(group)
-        self.model = model
-        self.caches: dict = {}  # handle -> prompt cache while prefilling
-        self.prefills: dict = {}  # handle -> core prefill generator
-        self.shifts: dict = {}
-        self.entries: dict = {}  # prefix-cache key -> per-layer (keys, values)
-        self.batch: Optional[DecodeBatch] = None
-        self.rows: dict = {}  # handle -> stand-in row in the batch
-        self.solo: dict = {}  # handle -> SoloDecode
-
-    def serve(self) -> None:
-        while True:
-            op, args, payload = self.receive()
-            if op == SHUTDOWN:
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            started = self.turn_started
+            if started is not None and time.monotonic() - started > self.timeout:
+                self.on_timeout(time.monotonic() - started)
                 return
-            self._run(op, args, payload)
 
-    def _run(self, op: int, args: list, payload: np.ndarray) -> None:
-        from ..core import chunked_prefill, sparse_prefill_steps
-        from mlx_lm.models.cache import make_prompt_cache
-
-        handle = args[0]
-        if op == RESTORE:
-            key, count = args[1], args[2]
-            cache = make_prompt_cache(self.model)
-            if key >= 0:
-                for layer, (keys, values) in zip(cache, self.entries[key]):
-                    layer.keys, layer.values = keys[..., :count, :], values[..., :count, :]
-                    layer.offset = count
-            self.caches[handle] = cache
-        elif op == DENSE:
-            self.prefills[handle] = chunked_prefill(self.model, mx.array(payload),
-                                                    self.caches[handle], args[1])
-        elif op == SPARSE:
-            step, cut, length = args[1], args[2], args[3]
-            kept = payload[length:].astype(np.int64)
-            self.prefills[handle] = sparse_prefill_steps(
-                self.model, mx.array(payload[:length]), kept, self.caches[handle], step, cut)
-        elif op == NEXT:
-            try:
-                next(self.prefills[handle])
-            except StopIteration:
-                self.prefills.pop(handle)
-        elif op == RELEASE:
-            steps = self.prefills.pop(handle, None)
-            if steps is not None:
-                steps.close()
-            self.caches.pop(handle, None)
-        elif op == JOIN:
-            mode, token, shift = args[1], args[2], args[3]
-            cache = self.caches.pop(handle)
-            if mode == JOIN_BATCH:
-                if self.batch is None or not len(self.batch):
-                    self.batch = DecodeBatch(self.model, self.group, follower=True)
-                self.rows[handle] = _Row(handle)
-                self.batch.add(self.rows[handle], cache, token, shift)
-            elif mode == JOIN_SOLO:
-                self.solo[handle] = SoloDecode(self.model, _Row(handle), cache, token, shift,
-                                               self.group, follower=True)
-        elif op == STEP:
-            (self.batch if handle < 0 else self.solo[handle]).step()
-        elif op == REMOVE:
-            if handle >= 0:
-                self.solo.pop(handle, None)
-            else:
-                self.batch.remove({self.rows.pop(int(h)) for h in payload})
-        elif op == STORE:
-            self._store(args, payload)
-        elif op == CALIBRATE:
-            from .policy import CostModel
-
-            CostModel().calibrate(self.model, None, handle, 0)
-        else:
-            raise RuntimeError(f"unknown command {op} from rank 0")
-
-    def _store(self, args: list, dropped: np.ndarray) -> None:
-        source, handle, key, count = args[0], args[1], args[2], args[3]
-        if key >= 0:
-            if source == FROM_PREFILL:
-                cache = self.caches[handle]
-            elif source == FROM_SOLO:
-                cache = self.solo[handle].cache
-            else:
-                cache = self.batch.extract(self.rows[handle])
-            states = [(mx.contiguous(c.keys[..., :count, :]), mx.contiguous(c.values[..., :count, :]))
-                      for c in cache]
-            mx.eval(states)
-            self.entries[key] = states
-        for old in dropped.tolist():
-            self.entries.pop(old, None)
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class FollowerWorker:
     """A rank > 0's engine: a thread that loads the target's shard, runs the same
-    probes as rank 0, then replays rank 0's commands until rank 0 shuts down.
-    It takes no requests; `done` resolves when it ends."""
+    probes as rank 0, then runs rank 0's plans until rank 0 shuts down. It takes no
+    requests; `done` resolves when it ends (with rank 0's error if the ring broke)."""
 
-    def __init__(self, load: Callable[[], object], group, name: str = "specprefill-follower"):
+    def __init__(self, load: Callable[[], tuple], group, prefix_cache_bytes: int,
+                 name: str = "specprefill-follower"):
         self._load = load
         self.group = group
+        self.prefix_cache_bytes = prefix_cache_bytes
         self.requests: dict = {}  # never any: requests are made on rank 0
         self.closed = False
         self.failure: Optional[BaseException] = None
@@ -274,11 +135,18 @@ class FollowerWorker:
         self.closed = True  # the loop ends on rank 0's word only
 
     def _main(self) -> None:
-        model = None
+        executor = None
         try:
             model = self._load()
             self.ready.set_result(None)
-            Follower(self.group, model).serve()
+            executor = Executor(model, PrefixCache(self.prefix_cache_bytes), self.group,
+                                sampling=False)
+            channel = Channel(self.group)
+            while not (plan := channel.receive()).shutdown:
+                outcome = executor.run(plan)
+                if outcome.failed:  # rank 0 fails these too, by the plans that follow
+                    logger.info("rank %d: requests %s failed here", self.group.rank(),
+                                sorted(outcome.failed))
             self.done.set_result(None)
         except BaseException as error:
             logger.exception("rank %d: follower failed", self.group.rank())
@@ -287,7 +155,9 @@ class FollowerWorker:
                 if not future.done():
                     future.set_exception(error)
         finally:
-            del model
+            if executor is not None:
+                executor.clear()
+            del executor
             mx.synchronize()
             mx.clear_cache()
             mx.clear_streams()

@@ -111,12 +111,6 @@ def _check_options(specprefill, keep, threshold, tools, on_progress, chat_templa
         raise TypeError("chat_template_kwargs must be a dict")
 
 
-def _make_constraint(tokenizer, response_format: dict):
-    from .constrained import make_constraint
-
-    return make_constraint(tokenizer, response_format)
-
-
 def _stop_worker(scheduler: Scheduler, timeout: float) -> None:
     """Stop and join a worker; also run at interpreter exit or when the Engine is
     collected, so no MLX work is cut off mid-call (which aborts the process)."""
@@ -155,10 +149,10 @@ class Engine:
         self.ranks = group.size() if group is not None else 1
         if self.rank:
             target = self.model_path
-            self._scheduler = FollowerWorker(lambda: load_target(target, dtype, group)[0], group)
+            self._scheduler = FollowerWorker(lambda: load_target(target, dtype, group)[0], group,
+                                             settings.prefix_cache_bytes)
         else:
-            self._scheduler = Scheduler(lambda: load_runtime(*paths, settings, dtype, group),
-                                        _make_constraint)
+            self._scheduler = Scheduler(lambda: load_runtime(*paths, settings, dtype, group))
         self._start_lock = threading.Lock()
         self._started = False
         self._mailboxes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -267,10 +261,11 @@ class Engine:
                             "(generated tokens, logits) -> logits")
         if not isinstance(cache_prompt, bool):
             raise TypeError(f"cache_prompt must be True or False, got {cache_prompt!r}")
-        if response_format is not None:
-            from .constrained import check_response_format
+        constraint = None
+        if response_format is not None:  # compiled here: a bad schema fails this call only
+            from .constrained import make_constraint
 
-            response_format = check_response_format(response_format)
+            constraint = make_constraint(info.tokenizer, response_format)
         tokens = prompt_tokens(prompt, info.tokenizer, info.vocab_size, tools,
                                chat_template_kwargs)
         max_tokens, warnings = params.max_tokens, []
@@ -296,7 +291,7 @@ class Engine:
             request_id, tokens, params, emit, specprefill,
             self.config.keep if keep is None else keep,
             self.config.threshold if threshold is None else threshold,
-            stream, on_progress is not None, response_format, logits_processors, cache_prompt,
+            stream, on_progress is not None, constraint, logits_processors, cache_prompt,
             max_tokens, protected, warnings, output=output,
         )
 

@@ -1,80 +1,155 @@
-"""When SpecPrefill pays: predict both prefills from costs measured on this machine.
+"""When SpecPrefill pays: predict both prefills from the models' shapes, refined by the
+prefills the engine runs anyway. No timed prefill runs on a request's path.
 
-Prefill time of L tokens is modelled as a*L + b*L^2 (weights and attention), one
-model for the target and one for the draft's scoring. The first request that needs
-a prediction runs a short calibration (two prefills of each model at lengths sized
-for the device); every prefill the engine then does adds an observation, and the
-fits are refreshed from the most recent ones. SpecPrefill is engaged when the
-predicted dense time exceeds the predicted SpecPrefill time (draft scoring of the
-uncached tokens + target prefill of the kept ones) by more than `margin`.
+A prefill of L tokens after C cached entries costs W = 2 * parameters * L FLOPs in the
+weights and A = 4 * layers * heads * head_dim * (L*C + L^2/2) in attention. Its time is
+fit per model as t = a*W + b*A (least squares, a, b >= 0) over that model's recent
+prefills (every scoring and target prefill adds one). Until a model has prefills of two
+lengths, both terms share one rate (its observed seconds per FLOP, or the other model's,
+or, before anything ran, any: then only the FLOP ratio decides). So a process's first
+request is decided from the shapes, and the fits take over as requests run. The
+observations persist per (target, draft, device) in the user's cache directory
+(`cache_dir()`), so a new process starts from the last one's fits.
+
+SpecPrefill is engaged when the predicted dense time exceeds the predicted SpecPrefill
+time (the draft on what its prefix cache lacks + the target on the kept tokens) by
+more than `margin`.
 """
 
-import time
+import hashlib
+import json
+import logging
+import os
+import platform
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
-from ..core.prefill import chunked_prefill
-
+logger = logging.getLogger(__name__)
 HISTORY = 32  # observations kept per model
 
 
-def _fit(points) -> tuple[float, float]:
-    """Least squares a, b >= 0 for t = a*L + b*L^2."""
-    lengths = np.array([p[0] for p in points], dtype=np.float64)
-    times = np.array([p[1] for p in points], dtype=np.float64)
-    design = np.stack([lengths, lengths**2], axis=1)
+def cache_dir() -> Path:
+    """Where the package keeps files across processes: $SPECPREFILL_CACHE_DIR, else
+    $XDG_CACHE_HOME/specprefill-engine, else ~/.cache/specprefill-engine."""
+    explicit = os.environ.get("SPECPREFILL_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specprefill-engine"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a prefill's FLOPs depend on."""
+
+    parameters: int  # outside the embedding
+    attention: int  # layers * heads * head_dim of the attention layers (0: unknown)
+
+    def flops(self, tokens: int, cached: int) -> tuple[float, float]:
+        weights = 2.0 * self.parameters * tokens
+        attention = 4.0 * self.attention * (tokens * cached + tokens * tokens / 2)
+        return weights, attention
+
+
+def shape_of(model: nn.Module) -> Shape:
+    """Parameters from the weights themselves (every architecture, quantized too;
+    embeddings left out); attention width from the config where it says (hybrids
+    count all layers, an overestimate)."""
+    total = 0
+    for _, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)):
+            continue
+        for name, value in module.parameters().items():
+            if isinstance(value, mx.array) and name not in ("scales", "biases"):
+                bits = getattr(module, "bits", None) if value.dtype == mx.uint32 else None
+                total += value.size * (32 // bits if bits else 1)
+    args = getattr(model, "args", None)
+    layers = getattr(args, "num_hidden_layers", 0) or 0
+    heads = getattr(args, "num_attention_heads", 0) or 0
+    hidden = getattr(args, "hidden_size", 0) or 0
+    head_dim = getattr(args, "head_dim", None) or (hidden // heads if heads else 0)
+    return Shape(int(total), int(layers * heads * head_dim))
+
+
+def _fit(points, shape: Shape) -> Optional[tuple[float, float]]:
+    """(a, b) for t = a*W + b*A, or None with fewer than two distinct lengths."""
+    if len({(p[0], p[1]) for p in points}) < 2:
+        return None
+    design = np.array([shape.flops(tokens, cached) for tokens, cached, _ in points])
+    times = np.array([p[2] for p in points], dtype=np.float64)
+    if not design[:, 1].any():
+        return float(times.sum() / design[:, 0].sum()), 0.0
     (a, b), *_ = np.linalg.lstsq(design, times, rcond=None)
-    if b < 0:
-        a, b = float(times.sum() / lengths.sum()), 0.0
-    if a < 0:
-        a, b = 0.0, float(times @ lengths**2 / (lengths**4).sum())
+    if a < 0 or b < 0:  # one term alone
+        rate = float(times.sum() / design.sum())
+        return rate, rate
     return float(a), float(b)
 
 
 @dataclass
 class CostModel:
+    target_shape: Shape
+    draft_shape: Optional[Shape] = None
     target: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     draft: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
-    calibrated: bool = False
+    path: Optional[Path] = None  # where the observations persist
 
-    def observe(self, which: str, tokens: int, seconds: float) -> None:
+    def observe(self, which: str, tokens: int, cached: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
-            getattr(self, which).append((tokens, seconds))
+            getattr(self, which).append((int(tokens), int(cached), float(seconds)))
 
-    def predict(self, which: str, tokens: int) -> float:
-        a, b = _fit(getattr(self, which))
-        return a * tokens + b * tokens * tokens
+    def _rate(self, which: str) -> Optional[float]:
+        """Observed seconds per FLOP of a model, over all its prefills."""
+        points = getattr(self, which)
+        shape = self.target_shape if which == "target" else self.draft_shape
+        if not points:
+            return None
+        flops = sum(sum(shape.flops(tokens, cached)) for tokens, cached, _ in points)
+        return sum(p[2] for p in points) / max(flops, 1.0)
 
-    def calibrate(self, target, draft, step_size: int, draft_step_size: int) -> None:
-        """Two timed prefills of each model, on this worker; each length runs twice and
-        the second is kept (a GPU compiles kernels for a shape's first call)."""
-        lengths = (256, 768) if mx.default_device() == mx.cpu else (2048, 8192)
-        for which, model, step in (("target", target, step_size),
-                                   ("draft", draft, draft_step_size)):
-            if model is None:  # a follower rank calibrates its target shard only
-                continue
-            balanced = None if which == "target" else False  # as the engine prefills each
-            for length in lengths:
-                _timed_prefill(model, length, step, balanced)
-                self.observe(which, length, _timed_prefill(model, length, step, balanced))
-        self.calibrated = True
+    def predict(self, which: str, tokens: int, cached: int = 0) -> float:
+        shape = self.target_shape if which == "target" else self.draft_shape
+        weights, attention = shape.flops(tokens, cached)
+        fit = _fit(getattr(self, which), shape)
+        if fit is not None:
+            return fit[0] * weights + fit[1] * attention
+        other = "draft" if which == "target" else "target"
+        rate = self._rate(which) or self._rate(other) or 1e-12
+        return rate * (weights + attention)
+
+    def load(self) -> None:
+        try:
+            saved = json.loads(self.path.read_text())
+            for which in ("target", "draft"):
+                getattr(self, which).extend(tuple(p) for p in saved.get(which, []))
+        except (OSError, ValueError, TypeError):
+            pass  # nothing saved yet, or unreadable: start from the shapes
+
+    def save(self) -> None:
+        if self.path is None or not (self.target or self.draft):
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps({"target": list(self.target),
+                                             "draft": list(self.draft)}))
+        except OSError as error:
+            logger.info("could not save prefill costs to %s: %r", self.path, error)
 
 
-def _timed_prefill(model, length: int, step_size: int, balanced: Optional[bool]) -> float:
-    tokens = mx.array(np.arange(length) % 1000 + 10, dtype=mx.int32)
-    cache = make_prompt_cache(model)
-    mx.synchronize()
-    started = time.perf_counter()
-    for _ in chunked_prefill(model, tokens, cache, step_size, want_logits=False,
-                             balanced=balanced):
-        pass
-    mx.synchronize()
-    return time.perf_counter() - started
+def cost_model(target: nn.Module, draft: Optional[nn.Module], key: tuple) -> CostModel:
+    """A cost model for this pair on this machine, with what earlier processes saw."""
+    name = json.dumps([*map(str, key), str(mx.default_device()), platform.node()])
+    path = cache_dir() / "costs" / f"{hashlib.sha1(name.encode()).hexdigest()[:16]}.json"
+    costs = CostModel(shape_of(target), shape_of(draft) if draft is not None else None,
+                      path=path)
+    costs.load()
+    return costs
 
 
 @dataclass(frozen=True)
@@ -84,7 +159,7 @@ class Prediction:
 
     @property
     def gain(self) -> float:
-        return self.dense_s / max(self.specprefill_s, 1e-9)
+        return self.dense_s / max(self.specprefill_s, 1e-12)
 
     def pays(self, margin: float) -> bool:
         """SpecPrefill is worth engaging: the predicted gain beats 1 + margin."""
@@ -99,8 +174,8 @@ def predict(costs: CostModel, prompt_tokens: int, dense_cached: int, draft_cache
             kept_tokens: int) -> Prediction:
     """Dense: the target on what its prefix cache lacks. SpecPrefill: the draft on
     what its prefix cache lacks, then the target on the kept tokens."""
-    dense = costs.predict("target", prompt_tokens - dense_cached)
-    sparse = costs.predict("draft", prompt_tokens - draft_cached) + \
+    dense = costs.predict("target", prompt_tokens - dense_cached, dense_cached)
+    sparse = costs.predict("draft", prompt_tokens - draft_cached, draft_cached) + \
         costs.predict("target", kept_tokens)
     return Prediction(dense, sparse)
 

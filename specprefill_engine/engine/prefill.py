@@ -1,9 +1,10 @@
-"""A request's prefill on the worker, one unit of work per iteration: prefix-cache
-lookup, the SpecPrefill decision, draft scoring, selection, target prefill.
+"""A request's prefill decisions, on rank 0: prefix-cache lookup, the SpecPrefill
+decision, draft scoring, selection, and what the target must compute.
 
-Yields (phase, done, total) between units so the scheduler can run decode steps
-and check for cancellation; returns (cache, last-token logits, decode shift) and
-leaves in `state.positions` the position of every cache entry (None: 0..n-1).
+Each decision ends in fields of the request's state, which the scheduler turns into
+plan chunks: `restore` (a prefix entry and how many of its entries), `feed` (the
+tokens to compute after them), `feed_positions` (their true positions; None: dense),
+`chunk_ends`. Scoring runs on the draft alone, one unit per scheduler turn.
 
 Across an agent's turns (see README, "Agent turns"):
 - the draft's prompt KV is kept, so scoring a grown prompt prefills only its new
@@ -13,29 +14,29 @@ Across an agent's turns (see README, "Agent turns"):
   first token the selection drops, cut to the prefill chunk grid, so the kept set and
   the computed KV are those of a fresh engine: the answer does not depend on history;
 - a stored SpecPrefill cache (kept prompt entries and reply, with their positions) is
-  reused for the shared prefix when the new importance says its selection still
-  covers what matters there (`reuse_coverage`); otherwise the prompt is selected anew.
+  reused for the shared prefix when its selection kept at least this request's `keep`
+  and the new importance says it still covers what matters there (`reuse_coverage`);
+  otherwise the prompt is selected anew.
 """
 
 import hashlib
 import logging
-import time
 from dataclasses import dataclass
-from typing import Generator, Optional
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..core import UnsupportedModelError, chunked_prefill, select_chunks, sparse_prefill_steps
-from ..core.prefill import chunk_cost, grid_cut, prefill_weight
+from ..core import UnsupportedModelError, select_chunks
 from ..core.adapters import check_sparse_prefill_supported
+from ..core.prefill import chunk_cost, chunk_plan, grid_cut, prefill_weight
 from ..core.sparse_prefill import cover_sliding_window
-from .distributed import FROM_PREFILL
+from .plan import Restore
 from .policy import expected_kept, predict
-from .prefix_cache import PrefixCache
+from .prefix_cache import Hit, PrefixCache, restore
 from .runtime import Runtime
-from .state import RequestState
+from .state import PREFILLING, SCORING, RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -46,21 +47,6 @@ class PrefixCaches:
 
     target: Optional[PrefixCache] = None
     draft: Optional[PrefixCache] = None
-
-
-def _phase(name: str, steps: Generator, busy: Optional[list] = None) -> Generator:
-    """Label a core step generator's (done, total) yields with the phase name;
-    add the time spent inside it (not between units) to busy[0]."""
-    while True:
-        started = time.perf_counter()
-        try:
-            done, total = next(steps)
-        except StopIteration as finished:
-            return finished.value
-        finally:
-            if busy is not None:
-                busy[0] += time.perf_counter() - started
-        yield name, done, total
 
 
 def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple[bool, str]:
@@ -78,20 +64,15 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple
         floor = max(floor, state.threshold)
     if dense_hit is not None and length - dense_hit.shared < floor:  # not worth the draft
         return False, (f"only {length - dense_hit.shared} tokens to prefill after a cached "
-                       f"prefix: too few to sparsify (< {floor}); dense, not scored")
+                       f"prefix of {dense_hit.shared}: too few to sparsify (< {floor}); "
+                       "dense, not scored")
     if state.specprefill:
         return True, "requested"
     if length < state.threshold:
         return False, f"prompt below threshold ({length} < {state.threshold} tokens)"
-    costs = runtime.costs
-    if not costs.calibrated:
-        if runtime.leader is not None:
-            runtime.leader.calibrate(config.step_size)
-        costs.calibrate(runtime.model, runtime.scorer.model, config.step_size,
-                        config.draft_step_size)
     draft_hit = caches.draft.find(state.tokens) if caches.draft else None
     kept = expected_kept(length, state.keep, state.protected, config.chunk_size, config.tail_tokens)
-    prediction = predict(costs, length, dense_hit.shared if dense_hit else 0,
+    prediction = predict(runtime.costs, length, dense_hit.shared if dense_hit else 0,
                          draft_hit.shared if draft_hit else 0, kept)
     state.report.predicted_dense_s = prediction.dense_s
     state.report.predicted_specprefill_s = prediction.specprefill_s
@@ -100,45 +81,58 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple
     return True, f"policy: {prediction.describe()}"
 
 
-def _dense(state: RequestState, runtime: Runtime, target: Optional[PrefixCache]) -> Generator:
-    step = runtime.config.step_size
+def _set_feed(state: RequestState, runtime: Runtime, hit: Optional[Hit], count: int,
+              feed: np.ndarray, positions: Optional[np.ndarray]) -> None:
+    """What the target computes: `feed` after the first `count` entries of `hit`."""
+    state.restore = Restore(state.handle, hit.entry.key if hit and count else -1,
+                            count if hit else 0)
+    state.cached = state.restore.count
+    state.feed, state.feed_positions, state.fed = feed, positions, 0
+    weight = prefill_weight(runtime.model)
+    state.chunk_ends = chunk_plan(int(feed.size), state.cached, runtime.config.step_size, weight)
+    state.usage.cached_tokens = state.cached
+    state.status = PREFILLING
+
+
+def plan_dense(state: RequestState, runtime: Runtime, target: Optional[PrefixCache]) -> None:
     hit = target.find(state.tokens, dense_only=True) if target is not None else None
-    cut = grid_cut(hit.shared, step, prefill_weight(runtime.model)) if hit is not None else 0
-    leader = runtime.leader
-    if leader is not None:
-        leader.restore(state.handle, hit, cut)
-    cache, _ = PrefixCache.restore(runtime.model, hit, cut)
-    state.usage.cached_tokens = cut
+    cut = 0
+    if hit is not None:
+        cut = grid_cut(hit.shared, runtime.config.step_size, prefill_weight(runtime.model))
     state.report.reuse = f"dense prefix of {cut} tokens" if cut else "none"
-    steps = chunked_prefill(runtime.model, mx.array(state.tokens[cut:]), cache, step)
-    if leader is not None:
-        steps = leader.prefill(state.handle, steps, state.tokens[cut:], step)
-    busy = [0.0]
-    logits = yield from _phase("prefill", steps, busy)
-    runtime.costs.observe("target", state.tokens.size - cut, busy[0])
     state.positions = None
-    if target is not None:
-        key = target.store(state.tokens, cache)
-        if leader is not None:
-            leader.stored(target, FROM_PREFILL, state.handle, key, state.tokens.size)
-    return cache, logits, 0
+    _set_feed(state, runtime, hit, cut, state.tokens[cut:], None)
 
 
-def _importance(state: RequestState, runtime: Runtime, draft: Optional[PrefixCache]) -> Generator:
-    """Score the whole prompt, reusing (and refilling) the draft's prefix cache."""
-    tokens = state.tokens
-    hit = draft.find(tokens) if draft is not None else None
+def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixCache]) -> None:
+    """Score the whole prompt, reusing the draft's prefix cache; one unit per turn."""
+    check_sparse_prefill_supported(runtime.model)  # before spending the draft's time
+    hit = draft.find(state.tokens) if draft is not None else None
     cut = grid_cut(hit.shared, runtime.config.draft_step_size, 0.0) if hit is not None else 0
-    cache, _ = PrefixCache.restore(runtime.scorer.model, hit, cut)
+    cache = restore(runtime.scorer.model, hit.entry.states if hit else None, cut)
     state.usage.draft_cached_tokens = cut
-    started, busy = time.perf_counter(), [0.0]
-    steps = runtime.scorer.score_steps(mx.array(tokens), cache)
-    importance = yield from _phase("scoring", steps, busy)
-    state.timings.scoring = time.perf_counter() - started
-    runtime.costs.observe("draft", tokens.size - cut, busy[0])
+    state.scoring = runtime.scorer.score_steps(mx.array(state.tokens), cache)
+    state.scoring_cache = cache
+    state.status = SCORING
+
+
+def score_unit(state: RequestState, runtime: Runtime,
+               draft: Optional[PrefixCache]) -> Optional[np.ndarray]:
+    """One unit of the draft's scoring; the importance once it is done."""
+    state.scored = next(state.scoring)
+    if state.scored[0] < state.scored[1]:
+        return None
+    try:
+        next(state.scoring)  # the last unit is done: take the importance it returns
+    except StopIteration as finished:
+        importance = np.array(finished.value, dtype=np.float32)
+    else:
+        raise RuntimeError("scoring went on past its last unit")
+    state.scoring = None
+    cache, state.scoring_cache = state.scoring_cache, None
     if draft is not None:
-        draft.store(tokens, cache)
-    return np.array(importance, dtype=np.float32)
+        draft.store(state.tokens, cache)
+    return importance
 
 
 def _coverage(importance: np.ndarray, wanted: np.ndarray, held: np.ndarray,
@@ -157,23 +151,21 @@ def _coverage(importance: np.ndarray, wanted: np.ndarray, held: np.ndarray,
     return float(importance[np.intersect1d(top, held)].sum()) / total
 
 
-def _sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Generator:
+def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
+                importance: np.ndarray) -> None:
+    """Selection over the whole prompt, then what of the prefix cache can be reused."""
     config, report, tokens = runtime.config, state.report, state.tokens
     length = tokens.size
-    check_sparse_prefill_supported(runtime.model)  # before spending the draft's time
-    importance = yield from _importance(state, runtime, caches.draft)
     selected = np.asarray(select_chunks(
         importance, report.keep, config.chunk_size, config.backbone_pct, config.tail_tokens,
         must_keep=state.protected,
     ), dtype=np.int64)
-    probe = make_prompt_cache(runtime.model)
-    selected = cover_sliding_window(selected, probe, length, 0)
+    selected = cover_sliding_window(selected, make_prompt_cache(runtime.model), length, 0)
 
     # what can be reused: a dense prefix up to the first dropped token, or a stored
-    # sparse cache whose selection still covers the shared prefix
+    # sparse cache whose selection kept as much and still covers the shared prefix
     target, step = caches.target, config.step_size
-    cut, before, reuse = 0, np.zeros(0, np.int64), "none"
-    hit = None
+    cut, before, reuse, hit = 0, np.zeros(0, np.int64), "none", None
     if target is not None:
         dense_hit = target.find(tokens, dense_only=True)
         if dense_hit is not None:
@@ -185,37 +177,61 @@ def _sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Gene
             hit, before = dense_hit, np.arange(cut)
             reuse = f"dense prefix of {cut} tokens" if cut else "none"
         sparse_hit = target.find(tokens)
-        if sparse_hit is not None and sparse_hit.entry.positions is not None \
-                and sparse_hit.shared > cut:
+        entry = sparse_hit.entry if sparse_hit is not None else None
+        if entry is not None and entry.positions is not None and sparse_hit.shared > cut:
             shared = sparse_hit.shared
-            held = sparse_hit.entry.positions[sparse_hit.entry.positions < shared]
-            coverage = _coverage(importance, selected[selected < shared], held)
-            if coverage >= config.reuse_coverage:
-                cut, hit, before = shared, sparse_hit, held
-                reuse = (f"sparse prefix of {shared} tokens ({held.size} entries), "
-                         f"coverage {coverage:.2f} >= {config.reuse_coverage}")
+            held = entry.positions[entry.positions < shared]
+            if entry.keep < report.keep:
+                reuse = (f"selected anew: a stored selection kept {entry.keep} of the prompt, "
+                         f"less than this request's keep {report.keep}; {reuse}")
             else:
-                reuse = (f"selected anew: a stored selection covers {coverage:.2f} of the "
-                         f"shared prefix's importance (< {config.reuse_coverage}); {reuse}")
-    leader = runtime.leader
-    if leader is not None:
-        leader.restore(state.handle, hit, cut)
-    cache, _ = PrefixCache.restore(runtime.model, hit, cut)
-    state.usage.cached_tokens = int(before.size)
+                coverage = _coverage(importance, selected[selected < shared], held)
+                if coverage >= config.reuse_coverage:
+                    cut, hit, before = shared, sparse_hit, held
+                    reuse = (f"sparse prefix of {shared} tokens ({held.size} entries), "
+                             f"coverage {coverage:.2f} >= {config.reuse_coverage}")
+                else:
+                    reuse = (f"selected anew: a stored selection covers {coverage:.2f} of the "
+                             f"shared prefix's importance (< {config.reuse_coverage}); {reuse}")
     report.reuse = reuse
     kept_new = selected[selected >= cut]
-    report.kept_tokens = int(before.size + kept_new.size)
-    steps = sparse_prefill_steps(runtime.model, mx.array(tokens[cut:]), kept_new - cut, cache,
-                                 step, cut)
-    if leader is not None:
-        steps = leader.prefill(state.handle, steps, tokens[cut:], step, kept_new - cut, cut)
-    busy = [0.0]
-    logits, shift = yield from _phase("prefill", steps, busy)
-    runtime.costs.observe("target", int(kept_new.size), busy[0])
     positions = np.concatenate([before, kept_new])
+    report.kept_tokens = int(positions.size)
     report.selection_digest = hashlib.sha1(positions.astype(np.int64).tobytes()).hexdigest()[:16]
     state.positions = None if np.array_equal(positions, np.arange(length)) else positions
-    return cache, logits, shift
+    count = hit.entry.count_before(cut) if hit is not None else 0
+    _set_feed(state, runtime, hit, count, tokens[kept_new], kept_new)
+
+
+def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixCaches,
+                       error: BaseException) -> None:
+    """Any failure of SpecPrefill's own steps (scoring, selection) or an unsupported
+    model: the request prefills densely and its report says why."""
+    if not isinstance(error, UnsupportedModelError):
+        logger.warning("request %s: SpecPrefill failed, dense prefill instead: %r", state.id,
+                       error)
+    report = state.report
+    report.engaged = False
+    report.reason = f"fell back to dense prefill: {error}"
+    report.kept_tokens = int(state.tokens.size)
+    state.scoring = state.scoring_cache = None
+    plan_dense(state, runtime, caches.target)
+
+
+def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
+    """Decide the request's prefill: scoring (then `plan_sparse`) or a dense feed."""
+    if not state.cache_prompt:
+        caches = PrefixCaches()
+    report = state.report
+    report.engaged, report.reason = decide(state, runtime, caches)
+    if report.engaged:
+        try:
+            start_scoring(state, runtime, caches.draft)
+            return
+        except Exception as error:
+            fall_back_to_dense(state, runtime, caches, error)
+            return
+    plan_dense(state, runtime, caches.target)
 
 
 def short_prefill_share(state: RequestState, runtime: Runtime) -> Optional[float]:
@@ -229,20 +245,3 @@ def short_prefill_share(state: RequestState, runtime: Runtime) -> Optional[float
         return None
     weight = prefill_weight(runtime.model)
     return chunk_cost(length, 0, weight) / chunk_cost(config.step_size, 0, weight)
-
-
-def prefill_steps(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> Generator:
-    """SpecPrefill when the policy says so (dense when the model cannot take it)."""
-    report = state.report
-    if not state.cache_prompt:
-        caches = PrefixCaches()
-    report.engaged, report.reason = decide(state, runtime, caches)
-    if report.engaged:
-        try:
-            return (yield from _sparse(state, runtime, caches))
-        except UnsupportedModelError as error:
-            logger.info("request %s: dense prefill, %s", state.id, error)
-            report.engaged = False
-            report.reason = f"fell back to dense prefill: {error}"
-            report.kept_tokens = int(state.tokens.size)
-    return (yield from _dense(state, runtime, caches.target))

@@ -29,7 +29,8 @@ class Entry:
     positions: Optional[np.ndarray]  # each stored KV entry's position; None: 0..len-1
     states: list  # per layer (keys, values), positions along axis 2
     nbytes: int
-    key: int = -1  # names the entry to the other ranks of a distributed engine
+    key: int = -1  # names the entry in turn plans (and on the other ranks)
+    keep: float = 1.0  # the share of the prompt its selection kept (1.0: dense)
 
     def dense_length(self) -> int:
         """How many leading positions are all present."""
@@ -53,13 +54,16 @@ class Hit:
 
 
 class PrefixCache:
+    """The index (rank 0 decides: `find`, `admit`) and the entries' KV (every rank
+    keeps its own shard: `put`, `drop`), so a sharded engine's ranks hold the same
+    entries under the same keys."""
+
     def __init__(self, max_bytes: int = 2 << 30):
         self.max_bytes = max_bytes
         self.entries: "OrderedDict[int, Entry]" = OrderedDict()
         self.total_bytes = 0
         self._next_key = 0
-        self.track = False  # record dropped keys (for the other ranks' copies)
-        self.dropped: list[int] = []
+        self.dropped: list[int] = []  # keys dropped by `admit`, for the plan to pass on
 
     def find(self, tokens: np.ndarray, dense_only: bool = False) -> Optional[Hit]:
         """The best entry for `tokens`: the longest usable shared prefix, leaving at
@@ -81,55 +85,61 @@ class PrefixCache:
         self.entries.move_to_end(best)
         return Hit(self.entries[best], best_length)
 
-    @staticmethod
-    def restore(model, hit: Optional[Hit], cut: int) -> tuple[list, Optional[np.ndarray]]:
-        """A fresh cache holding the hit's entries at positions < cut, and those
-        positions (None when they are exactly 0..cut-1)."""
-        cache = make_prompt_cache(model)
-        if hit is None or cut <= 0:
-            return cache, None
-        entry = hit.entry
-        count = entry.count_before(cut)
-        for layer, (keys, values) in zip(cache, entry.states):
-            layer.keys, layer.values = keys[..., :count, :], values[..., :count, :]
-            layer.offset = count
-        positions = None if entry.positions is None else entry.positions[:count]
-        if positions is not None and np.array_equal(positions, np.arange(count)):
-            positions = None
-        return cache, positions
-
-    def store(self, tokens: np.ndarray, cache: list,
-              positions: Optional[np.ndarray] = None) -> Optional[int]:
-        """Keep a cache's first entries: all of `tokens` (dense) or, with `positions`,
-        one entry per listed position. The size is known from the shapes, so an
-        entry over the budget is refused before anything is copied. Returns the new
-        entry's key, None when refused."""
-        count = tokens.size if positions is None else positions.size
-        if not reusable(cache) or count == 0 or any(c.offset < count for c in cache):
+    def admit(self, tokens: np.ndarray, nbytes: int, positions: Optional[np.ndarray] = None,
+              keep: float = 1.0) -> Optional[int]:
+        """Make room for an entry of `nbytes` (its KV comes with `put`); its key, or
+        None when it is over the budget. Entries it makes redundant or evicts are
+        dropped and their keys added to `dropped`."""
+        if nbytes > self.max_bytes or tokens.size == 0:
             return None
-        states = [(c.keys[..., :count, :], c.values[..., :count, :]) for c in cache]
-        size = sum(k.nbytes + v.nbytes for k, v in states)
-        if size > self.max_bytes:
-            return None
-        states = [(mx.contiguous(k), mx.contiguous(v)) for k, v in states]
-        mx.eval(states)
         for key, entry in list(self.entries.items()):
             if entry.tokens.size <= tokens.size and entry.positions is None and \
                     positions is None and np.array_equal(entry.tokens, tokens[: entry.tokens.size]):
-                self._drop(key)  # the new dense entry covers this one
+                self.drop(key)  # the new dense entry covers this one
         key = self._next_key
-        self.entries[key] = Entry(tokens.copy(), positions, states, size, key)
         self._next_key += 1
-        self.total_bytes += size
+        self.entries[key] = Entry(tokens.copy(), positions, [], nbytes, key, keep)
+        self.total_bytes += nbytes
         while self.total_bytes > self.max_bytes:
-            self._drop(next(iter(self.entries)))
+            self.drop(next(iter(self.entries)))
         return key
 
-    def _drop(self, key: int) -> None:
-        self.total_bytes -= self.entries.pop(key).nbytes
-        if self.track:
+    def put(self, key: int, states: list) -> None:
+        """The KV of an admitted entry (on a rank > 0: of an entry rank 0 admitted)."""
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = Entry(np.zeros(0, np.int32), None, states,
+                                              sum(k.nbytes + v.nbytes for k, v in states), key)
+        entry.states = states
+
+    def drop(self, key: int) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.total_bytes -= entry.nbytes
             self.dropped.append(key)
+
+    def store(self, tokens: np.ndarray, cache: list) -> Optional[int]:
+        """Admit and keep the first len(tokens) entries of a dense cache at once (the
+        draft's cache, which lives on rank 0 alone)."""
+        if not reusable(cache) or any(c.offset < tokens.size for c in cache):
+            return None
+        states = [(c.keys[..., : tokens.size, :], c.values[..., : tokens.size, :]) for c in cache]
+        key = self.admit(tokens, sum(k.nbytes + v.nbytes for k, v in states))
+        if key is not None:
+            self.put(key, states)
+        return key
 
     def clear(self) -> None:
         self.entries.clear()
         self.total_bytes = 0
+
+
+def restore(model, states: Optional[list], count: int) -> list:
+    """A fresh cache holding the first `count` entries of an entry's KV."""
+    cache = make_prompt_cache(model)
+    if states is None or count <= 0:
+        return cache
+    for layer, (keys, values) in zip(cache, states):
+        layer.keys, layer.values = keys[..., :count, :], values[..., :count, :]
+        layer.offset = count
+    return cache

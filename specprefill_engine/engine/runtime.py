@@ -1,7 +1,7 @@
 """Everything the worker thread owns: models, tokenizer, scorer, prefix cache."""
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import mlx.core as mx
@@ -11,10 +11,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from .._blas import blas_status
 from ..core import DraftScorer, Scorer
 from ..core.scoring import default_draft_step_size
-from ..loading import check_same_tokenizer, load_model
+from ..loading import ModelLoadError, check_same_tokenizer, load_model
 from .batch import batching_support
-from .distributed import Leader
-from .policy import CostModel
+from .distributed import Channel, agree
+from .plan import TurnPlan
+from .policy import CostModel, cost_model
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class EngineConfig:
     reuse_coverage: float = 0.9
     specprefill_margin: float = 0.1
     recent_message_cap: int = 512
+    rank_timeout: float = 60.0  # seconds a turn may take before rank 0 declares a rank lost
 
     def __post_init__(self):
         if not (isinstance(self.keep, (int, float)) and 0 < self.keep <= 1):
@@ -64,6 +66,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.rank_timeout, (int, float)) and self.rank_timeout > 0):
+            raise ValueError(f"rank_timeout must be a number of seconds > 0, got "
+                             f"{self.rank_timeout!r}")
         for name in ("step_size", "draft_step_size", "kv_cache_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -83,9 +88,9 @@ class Runtime:
     batch_reason: str  # why requests cannot share a batched decode; "" when they can
     kv_bytes_per_token: int
     vocab_size: int  # token ids a prompt may hold: the embedding's rows
-    costs: CostModel = field(default_factory=CostModel)  # prefill costs for the policy
+    costs: CostModel  # prefill costs for the policy
     group: object = None  # the distributed group of a sharded target; None on one machine
-    leader: Optional[Leader] = None  # rank 0's command channel to the other ranks
+    channel: Optional[Channel] = None  # rank 0's plan broadcast to the other ranks
 
 
 @dataclass(frozen=True)
@@ -133,8 +138,17 @@ def kv_bytes_per_token(model: nn.Module) -> int:
 
 def load_target(model_path: str, dtype, group) -> tuple:
     """The target (this rank's shard with a group) and what every rank learns of it
-    by running it: the same probe forwards, in the same order, on every rank."""
-    model, tokenizer = load_model(model_path, dtype=dtype, group=group)
+    by running it: the same probe forwards, in the same order, on every rank. With a
+    group the ranks first agree that every one of them loaded, so a rank that failed
+    never leaves the others waiting inside a probe's collectives."""
+    model = tokenizer = None
+    try:
+        model, tokenizer = load_model(model_path, dtype=dtype, group=group)
+    finally:
+        if group is not None:
+            failed = agree(group, model is None)
+            if failed and model is not None:
+                raise ModelLoadError(f"{failed} of {group.size()} ranks failed to load the target")
     return model, tokenizer, batching_support(model), kv_bytes_per_token(model)
 
 
@@ -154,8 +168,8 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
     if config.draft_step_size is None:
         config = replace(config, draft_step_size=default_draft_step_size())
     model, tokenizer, batch_reason, kv_bytes = load_target(model_path, dtype, group)
-    leader = Leader(group) if group is not None else None
-    scorer = None
+    channel = Channel(group) if group is not None else None
+    scorer = draft = None
     try:
         if draft_path is not None:
             draft, draft_tokenizer = load_model(draft_path, dtype=dtype)
@@ -163,8 +177,9 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
             scorer = DraftScorer(draft, config.n_lookahead, config.pool_kernel,
                                  config.draft_step_size)
     except BaseException:
-        if leader is not None:
-            leader.shutdown()  # the other ranks wait for commands: release them
+        if channel is not None:
+            channel.post(TurnPlan(shutdown=True))  # the other ranks wait for plans: release them
         raise
+    costs = cost_model(model, draft, (model_path, draft_path, dtype, group.size() if group else 1))
     return Runtime(model, tokenizer, scorer, config, context_length_of(model), batch_reason,
-                   kv_bytes, vocab_size_of(model, tokenizer), group=group, leader=leader)
+                   kv_bytes, vocab_size_of(model, tokenizer), costs, group=group, channel=channel)

@@ -2,23 +2,28 @@
 
 Since mlx 0.31 streams are thread-local, so loading, caches, prefill, decode and
 freeing all happen here. Each turn of the loop:
-1. takes new requests (blocking only when there is nothing to do) and ends
-   the ones whose callers aborted;
-2. advances the oldest admitted prefill by one unit of at most `step_size` tokens
-   (first come, first served: later arrivals never stretch an earlier TTFT), plus a
-   last chunk costing at most a quarter of a unit, and samples its first token when
-   that was the last unit; a turn that starts with a whole short prompt (surely dense,
-   one chunk) goes on with the short prompts next in line, up to one unit's cost and
-   four prompts, each in its own forward (its KV is what it would be alone), so
-   requests arriving together start decoding together;
-3. runs one batched decode step for every decoding request.
+1. takes new requests (blocking only when there is nothing to do) and ends the ones
+   whose callers aborted;
+2. decides the turn's plan (`plan.py`): the stores and releases of requests that ended,
+   the joins of requests whose first token is out, one batched decode step, and one unit
+   of prefill work for the oldest admitted request (first come, first served: later
+   arrivals never stretch an earlier TTFT), plus a last chunk costing at most a quarter
+   of a unit. A turn that starts with a whole short prompt (surely dense, one chunk)
+   goes on with the short prompts next in line, up to one unit's cost and four prompts,
+   each in its own forward (its KV is what it would be alone), so requests arriving
+   together start decoding together;
+3. has the executor run the plan (on every rank of a sharded target: `distributed.py`),
+   then takes its outcome: tokens to the callers, first tokens sampled from the last
+   chunks' logits, each failure to its own request. A request being scored runs one
+   unit of the draft's scoring (rank 0 alone) after the plan.
 So a decoding stream waits at most about one prefill unit between two tokens. A request
 is admitted to prefill while fewer than `max_batch_size` requests are running and
 their reserved KV fits `kv_cache_bytes`; otherwise it waits in the queue.
 
-Every request ends with a Result or an error, whatever happens: submission and
-shutdown are ordered under one lock, requests still queued at shutdown end with
-finish_reason "abort", and if the thread fails every caller gets the error.
+Every request ends with a Result or an error, whatever happens: a failure in any of a
+request's steps ends that request alone (`_fail_request`); submission and shutdown are
+ordered under one lock, requests still queued at shutdown end with finish_reason
+"abort", and if the loop itself fails every caller gets the error.
 """
 
 import itertools
@@ -34,14 +39,19 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .batch import DecodeBatch, SoloDecode, sample_rows
+from ..core.sparse_prefill import decode_shift
+from .batch import sample_rows
 from .delivery import one_delivery
-from .distributed import FROM_BATCH, FROM_SOLO, JOIN_BATCH, JOIN_DROP, JOIN_SOLO, Leader
-from .prefill import PrefixCaches, prefill_steps, short_prefill_share
+from .distributed import Watchdog
+from .executor import Executor, TurnOutcome
+from .plan import Chunk, Join, Store, TurnPlan
+from .prefill import (
+    PrefixCaches, begin, fall_back_to_dense, plan_sparse, score_unit, short_prefill_share,
+)
 from .prefix_cache import PrefixCache, reusable
 from .results import Progress
 from .runtime import EngineInfo, Runtime
-from .state import RequestState
+from .state import DECODING, ENDED, SCORING, RequestState
 
 logger = logging.getLogger(__name__)
 _STOP = object()
@@ -68,30 +78,9 @@ def make_prefix_caches(runtime: Runtime) -> PrefixCaches:
     return caches
 
 
-def _keep_for_next_turn(target: PrefixCache, row: RequestState, group,
-                        leader: Optional[Leader]) -> None:
-    """Store a finished request's cache, prompt and reply, for an agent's next turn."""
-    cache = group.extract(row)
-    prompt_entries = row.tokens.size if row.positions is None else row.positions.size
-    replied = min(len(row.generated), cache[0].offset - prompt_entries)
-    if replied < 0:
-        return
-    tokens = np.concatenate([row.tokens, np.asarray(row.generated[:replied], np.int32)])
-    positions = row.positions
-    if positions is not None:
-        positions = np.concatenate([positions, row.tokens.size + np.arange(replied)])
-    key = target.store(tokens, cache, positions)
-    if leader is not None:
-        source = FROM_SOLO if isinstance(group, SoloDecode) else FROM_BATCH
-        count = tokens.size if positions is None else positions.size
-        leader.stored(target, source, row.handle, key, count)
-
-
 class Scheduler:
-    def __init__(self, load: Callable[[], Runtime], make_constraint: Optional[Callable] = None,
-                 name: str = "specprefill-worker"):
+    def __init__(self, load: Callable[[], Runtime], name: str = "specprefill-worker"):
         self._load = load
-        self._make_constraint = make_constraint
         self._lock = threading.Lock()
         self._inbox: "queue.Queue" = queue.Queue()
         self.requests: dict[str, RequestState] = {}  # live requests by id, under the lock
@@ -102,12 +91,16 @@ class Scheduler:
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
         # worker-only state
         self._waiting: deque = deque()
-        self._prefilling: Optional[RequestState] = None
-        self._decoding: list = []  # DecodeBatch and SoloDecode groups
+        self._prefilling: Optional[RequestState] = None  # the admitted head: scoring or prefilling
+        self._prefilled: list = []  # last chunk planned this turn: the first token comes next
+        self._joining: list = []  # first token out: joins the decode in the next plan
+        self._decoding: dict = {}  # handle -> state
+        self._leaving: list = []  # (state, store it) ended: released in the next plan
         self._reserved = 0
         self._handles = itertools.count(1)
-        self._leader: Optional[Leader] = None  # rank 0's channel when the target is sharded
         self.runtime: Optional[Runtime] = None
+        self.executor: Optional[Executor] = None
+        self._watchdog: Optional[Watchdog] = None
 
     # caller side ---------------------------------------------------------------
 
@@ -143,10 +136,10 @@ class Scheduler:
             mx.clear_streams()
             return
         self.runtime = runtime  # for inspection only: never used off this thread
-        self._leader = runtime.leader
         caches = make_prefix_caches(runtime)
-        if caches.target is not None:
-            caches.target.track = runtime.leader is not None
+        self.executor = Executor(runtime.model, caches.target, runtime.group)
+        if runtime.group is not None:
+            self._watchdog = Watchdog(runtime.config.rank_timeout, self._rank_lost)
         ranks = runtime.group.size() if runtime.group is not None else 1
         self.ready.set_result(EngineInfo(runtime.tokenizer, runtime.context_length,
                                          not runtime.batch_reason, runtime.batch_reason,
@@ -154,35 +147,56 @@ class Scheduler:
         try:
             while self._turn(runtime, caches):
                 pass
-        except BaseException as error:  # a defect in the loop: every caller hears of it
+        except BaseException as error:  # a defect in the loop, or a rank lost
             logger.exception("engine worker failed")
             self._fail(error)
         finally:
             self._abort_all()
-            if self._leader is not None:
-                self._leader.shutdown()  # the other ranks free their shards and exit
-                self._leader = None
-            self._decoding.clear()
-            for store in (caches.target, caches.draft):
-                if store is not None:
-                    store.clear()
-            self.runtime = None
+            if self._watchdog is not None:
+                self._watchdog.stop()
+            if runtime.channel is not None and self.failure is None:
+                runtime.channel.post(TurnPlan(shutdown=True))  # the other ranks exit
+            runtime.costs.save()
+            self.executor.clear()
+            if caches.draft is not None:
+                caches.draft.clear()
+            self.runtime = self.executor = None
             del runtime, caches  # the models are freed here, on their own thread
             mx.synchronize()
             mx.clear_cache()
             mx.clear_streams()  # a thread exiting with live MLX streams can abort the process
 
+    def _busy(self) -> bool:
+        return bool(self._prefilling or self._joining or self._decoding or self._leaving)
+
     def _turn(self, runtime: Runtime, caches: PrefixCaches) -> bool:
-        busy = self._prefilling is not None or any(self._decoding)
-        if not self._take_new(block=not busy and not self._waiting):
+        if not self._take_new(block=not self._busy() and not self._waiting):
+            return False
+        if self.failure is not None:
             return False
         self._end_aborted()
-        self._prefill_turn(runtime, caches)
-        for group in list(self._decoding):
-            if group.rows:
-                self._decode_step(group, caches.target)
-        self._decoding = [group for group in self._decoding if len(group.rows)]
+        plan = TurnPlan()
+        self._plan_endings(plan, runtime, caches.target)
+        self._plan_joins(plan, runtime, caches.target)
+        plan.decode = bool(self._decoding)
+        scoring = self._plan_prefill(plan, runtime, caches)
+        if caches.target is not None:
+            plan.drops, caches.target.dropped = caches.target.dropped, []
+        if plan:
+            if runtime.channel is not None:
+                runtime.channel.post(plan)
+            if self._watchdog is not None:
+                self._watchdog.turn_started = time.monotonic()
+            outcome = self.executor.run(plan, self._row)
+            if self._watchdog is not None:
+                self._watchdog.turn_started = None
+            self._absorb(plan, outcome, runtime)
+        if scoring is not None:
+            self._score(scoring, runtime, caches)
         return True
+
+    def _row(self, handle: int) -> RequestState:
+        return next(s for s in self._joining if s.handle == handle)
 
     def _take_new(self, block: bool) -> bool:
         """Move submitted requests to the waiting queue; False once told to stop."""
@@ -202,44 +216,106 @@ class Scheduler:
             self._finish(state, "abort")
         state = self._prefilling
         if state is not None and state.cancelled.is_set():
-            if state.prefill is not None:
-                state.prefill.close()
             self._prefilling = None
-            self._finish(state, "abort")
-        for group in self._decoding:
-            leaving = {row for row in group.rows if row.cancelled.is_set()}
-            if leaving:
-                self._leave(group, leaving)
-                for row in leaving:
-                    self._finish(row, "abort")
+            self._end(state, "abort")
+        for state in [s for s in self._joining if s.cancelled.is_set()]:
+            self._joining.remove(state)
+            self._end(state, "abort")
+        for state in [s for s in self._decoding.values() if s.cancelled.is_set()]:
+            self._end(state, "abort")
 
-    def _prefill_turn(self, runtime: Runtime, caches: PrefixCaches) -> None:
-        """One unit of the oldest prefill. A turn that starts with a whole short prompt
-        goes on with the short prompts next in line while the unit's cost is not spent;
-        each counts at least `SHORT_PREFILL_FLOOR` of it (a forward, its sync and the
-        first token cost host time whatever the length), so at most four share a turn."""
+    # planning ------------------------------------------------------------------
+
+    def _plan_endings(self, plan: TurnPlan, runtime: Runtime,
+                      target: Optional[PrefixCache]) -> None:
+        """Requests that ended: their cache kept for an agent's next turn (prompt and
+        reply), then their target work released."""
+        for state, replied in self._leaving:
+            if replied is not None and target is not None:
+                self._plan_store(plan, state, runtime, target, replied)
+            plan.releases.append(state.handle)
+        self._leaving.clear()
+
+    @staticmethod
+    def _fed(state: RequestState) -> int:
+        """Generated tokens whose KV is in the request's cache: a batched row has fed
+        every token read back; a solo row samples one ahead."""
+        if state.status != DECODING:
+            return 0
+        return len(state.generated) - (0 if state.report.batched else 1)
+
+    def _plan_store(self, plan: TurnPlan, state: RequestState, runtime: Runtime,
+                    target: PrefixCache, replied: int) -> None:
+        tokens = np.concatenate([state.tokens, np.asarray(state.generated[:replied], np.int32)])
+        positions = state.positions
+        if positions is not None:
+            positions = np.concatenate([positions, state.tokens.size + np.arange(replied)])
+        count = state.entries + replied
+        keep = state.report.keep if state.positions is not None else 1.0
+        key = target.admit(tokens, count * runtime.kv_bytes_per_token, positions, keep)
+        if key is not None:
+            plan.stores.append(Store(state.handle, key, count))
+
+    def _plan_joins(self, plan: TurnPlan, runtime: Runtime,
+                    target: Optional[PrefixCache]) -> None:
+        for state in self._joining:
+            if state.cache_prompt and target is not None and state.positions is None:
+                self._plan_store(plan, state, runtime, target, replied=0)  # the prompt's KV
+            plan.joins.append(Join(state.handle, state.first_token, state.shift,
+                                   solo=bool(runtime.batch_reason)))
+
+    def _plan_prefill(self, plan: TurnPlan, runtime: Runtime,
+                      caches: PrefixCaches) -> Optional[RequestState]:
+        """One unit of the oldest prefill; the request whose scoring unit runs this turn,
+        if that is the unit. A turn that starts with a whole short prompt goes on with
+        the short prompts next in line while the unit's cost is not spent; each counts
+        at least `SHORT_PREFILL_FLOOR` of it (a forward, its sync and the first token
+        cost host time whatever the length), so at most four share a turn."""
         spent = 0.0  # share of the unit
         while True:
             share = None
             if self._prefilling is None:
                 if not self._waiting or self._waiting[0].cancelled.is_set():
-                    return  # a cancelled request ends at the next turn's start
+                    return None  # a cancelled request ends at the next turn's start
                 share = short_prefill_share(self._waiting[0], runtime)
                 if share is not None:
                     share = max(share, SHORT_PREFILL_FLOOR)
                 if spent and (share is None or spent + share > 1 + 1e-9):
-                    return  # it waits for a turn of its own
-                if not self._admit(runtime):
-                    return
-            self._prefill_unit(runtime, caches)
+                    return None  # it waits for a turn of its own
+                if not self._admit(runtime, caches):
+                    return None
+                if self._prefilling is None:
+                    continue  # it failed at admission
+            state = self._prefilling
+            if state.status == SCORING:
+                return state
+            self._plan_unit(plan, state)
             if self._prefilling is not None or share is None:
-                return  # a prefill spanning units spends the whole turn
+                return None  # a prefill spanning units spends the whole turn
             spent += share
 
-    def _admit(self, runtime: Runtime) -> bool:
+    def _plan_unit(self, plan: TurnPlan, state: RequestState) -> None:
+        """The request's next chunks, up to one a scheduler turn may follow."""
+        if state.fed == 0:
+            plan.restores.append(state.restore)
+        while True:
+            end, pause = next((e, p) for e, p in state.chunk_ends if e > state.fed)
+            positions = state.feed_positions
+            plan.chunks.append(Chunk(state.handle, state.feed[state.fed:end],
+                                     None if positions is None else positions[state.fed:end],
+                                     last=end == state.feed.size))
+            state.fed = end
+            if end == state.feed.size:
+                self._prefilling = None
+                self._prefilled.append(state)
+                return
+            if pause:
+                return
+
+    def _admit(self, runtime: Runtime, caches: PrefixCaches) -> bool:
         """Start the oldest waiting request's prefill, if the batch and KV budget allow."""
         state = self._waiting[0]
-        running = sum(len(group.rows) for group in self._decoding)
+        running = len(self._decoding) + len(self._joining)
         need = (state.tokens.size + state.max_tokens) * runtime.kv_bytes_per_token
         budget = runtime.config.kv_cache_bytes
         if running >= runtime.config.max_batch_size:
@@ -250,105 +326,120 @@ class Scheduler:
         state.handle = next(self._handles)
         state.reserved_bytes = need
         self._reserved += need
-        state.start(runtime.tokenizer, self._make_constraint)
+        try:
+            state.start()
+            begin(state, runtime, caches)
+        except Exception as error:
+            self._fail_request(state, error)
+            return True
         self._prefilling = state
         return True
 
-    def _prefill_unit(self, runtime: Runtime, caches: PrefixCaches) -> None:
-        state = self._prefilling
-        if state.prefill is None:
-            state.prefill = prefill_steps(state, runtime, caches)
-        try:
-            while True:
-                phase, done, total = next(state.prefill)
-                if state.progress:
-                    state.emit(Progress(phase, done, total))
-                # after the last unit, go on: the first token comes in this turn (the
-                # next step ends the prefill), not after one more decode step
-                if phase != "prefill" or done < total:
-                    return
-        except StopIteration as finished:
-            self._prefilling = None
-            cache, logits, shift = finished.value
-            state.timings.prefill = time.perf_counter() - state.started - state.timings.scoring
-            self._first_token(runtime, state, cache, logits, shift)
-            return
-        except Exception as error:
-            self._prefilling = None
-            self._fail_request(state, error)
+    # outcomes ------------------------------------------------------------------
 
-    def _first_token(self, runtime: Runtime, state: RequestState, cache: list, logits,
-                     shift: int) -> None:
-        """Sample from the prefill's logits, hand the token out, then join a decode."""
+    def _absorb(self, plan: TurnPlan, outcome: TurnOutcome, runtime: Runtime) -> None:
+        failed = outcome.failed
+        live = {s.handle: s for s in (*self._joining, *self._prefilled, *self._decoding.values())}
+        if self._prefilling is not None:
+            live[self._prefilling.handle] = self._prefilling
+        for handle, error in failed.items():
+            state = live.get(handle)
+            if state is not None:
+                self._end(state, error=error)
+        for state in self._joining:
+            if state.handle not in failed and not state.finished:
+                state.status = DECODING
+                state.report.batched = not runtime.batch_reason
+                state.report.batch_reason = runtime.batch_reason or "decoding in the shared batch"
+                self._decoding[state.handle] = state
+        self._joining = []
+        ended = []
+        with one_delivery():  # the step's tokens reach each caller loop in one hand-over
+            for row, token in outcome.tokens:
+                if row.finished or row.handle in failed:
+                    continue
+                try:
+                    reason = row.output.accept(token)
+                except Exception as error:
+                    self._end(row, error=error)
+                    continue
+                if reason is not None:
+                    ended.append((row, reason))
+        for row, reason in ended:
+            self._end(row, reason)
+        for handle in dict.fromkeys(chunk.handle for chunk in plan.chunks):
+            state = live.get(handle)
+            if state is None or state.finished:
+                continue
+            state.prefill_busy += outcome.seconds.get(handle, 0.0)
+            if state.progress:
+                state.emit(Progress("prefill", state.fed, int(state.feed.size)))
+        prefilled, self._prefilled = self._prefilled, []
+        for state in prefilled:
+            if not state.finished:
+                self._first_token(state, outcome.logits[state.handle], runtime)
+
+    def _first_token(self, state: RequestState, logits, runtime: Runtime) -> None:
+        """Sample from the prefill's logits and hand the token out; the request joins a
+        decode in the next plan."""
+        state.timings.prefill = time.perf_counter() - state.started - state.timings.scoring
         try:
-            token = sample_rows([state], logits[:, -1, :]).item()
+            state.shift = decode_shift(runtime.model, self.executor.cache_of(state.handle),
+                                       int(state.tokens.size), 0)
+            token = sample_rows([state], logits).item()
+            state.generated.append(token)
+            reason = state.output.accept(token)
         except Exception as error:
-            state.error = error
-        leader = runtime.leader
-        if state.error is not None:
-            if leader is not None:
-                leader.join(state.handle, JOIN_DROP)
-            self._fail_request(state, state.error)
+            self._end(state, error=error)
             return
-        state.generated.append(token)
-        reason = state.output.accept(token)
+        runtime.costs.observe("target", int(state.feed.size), state.cached, state.prefill_busy)
+        state.first_token = token
         if reason is not None:
-            if leader is not None:
-                leader.join(state.handle, JOIN_DROP)
-            self._finish(state, reason)
+            self._end(state, reason)
             return
-        state.report.batched = not runtime.batch_reason
-        state.report.batch_reason = runtime.batch_reason or "decoding in the shared batch"
-        if leader is not None:
-            leader.join(state.handle, JOIN_SOLO if runtime.batch_reason else JOIN_BATCH,
-                        token, shift)
-        if runtime.batch_reason:
-            self._decoding.append(SoloDecode(runtime.model, state, cache, token, shift,
-                                             runtime.group))
-            return
-        batch = next((g for g in self._decoding if isinstance(g, DecodeBatch)), None)
-        if batch is None:
-            batch = DecodeBatch(runtime.model, runtime.group)
-            self._decoding.append(batch)
-        batch.add(state, cache, token, shift)
+        self._joining.append(state)
 
-    def _decode_step(self, group, target: Optional[PrefixCache]) -> None:
-        if self._leader is not None:
-            self._leader.step(group)
+    def _score(self, state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
+        """One unit of the draft's scoring (rank 0 alone); at its end, the selection."""
+        if state.cancelled.is_set():
+            return  # ends at the next turn's start
+        draft = caches.draft if state.cache_prompt else None
+        target = caches.target if state.cache_prompt else None
+        started = time.perf_counter()
         try:
-            produced = group.step()
-        except Exception as error:  # e.g. out of memory: these rows fail, the engine goes on
-            rows = list(group.rows)
-            self._leave(group, set(rows))
-            for row in rows:
-                self._fail_request(row, error)
-            return
-        finished = {}
-        with one_delivery():  # the step's tokens reach each caller loop in one hand-over,
-            for row, token in produced:  # before any finished row's KV is stored
-                if row.error is None and (reason := row.output.accept(token)) is not None:
-                    finished[row] = reason
-        failed = [row for row in group.rows if row.error is not None]
-        if target is not None:
-            for row in finished:
-                if row.cache_prompt:
-                    _keep_for_next_turn(target, row, group, self._leader)
-        if finished or failed:
-            self._leave(group, {*finished, *failed})
-        for row in failed:
-            self._fail_request(row, row.error)
-        for row, reason in finished.items():
-            self._finish(row, reason)
-
-    def _leave(self, group, rows: set) -> None:
-        if self._leader is not None:
-            self._leader.remove(group, rows)
-        if isinstance(group, DecodeBatch):
-            group.remove(rows)
-        else:
-            group.rows.clear()
+            importance = score_unit(state, runtime, draft)
+            state.scoring_busy += time.perf_counter() - started
+            if state.progress:
+                state.emit(Progress("scoring", *state.scored))
+            if importance is None:
+                return
+            state.timings.scoring = time.perf_counter() - state.started
+            cached = state.usage.draft_cached_tokens
+            runtime.costs.observe("draft", int(state.tokens.size) - cached, cached,
+                                  state.scoring_busy)
+            plan_sparse(state, runtime, PrefixCaches(target, draft), importance)
+        except Exception as error:  # SpecPrefill's own step: the request goes on densely
+            fall_back_to_dense(state, runtime, PrefixCaches(target, draft), error)
 
     # endings -------------------------------------------------------------------
+
+    def _end(self, state: RequestState, reason: Optional[str] = None,
+             error: Optional[BaseException] = None) -> None:
+        """The one way a running request ends: its result or error goes out now, its
+        target work is released (and its cache kept) in the next plan."""
+        if state.finished:
+            return
+        self._decoding.pop(state.handle, None)
+        if self._prefilling is state:
+            self._prefilling = None
+        state.scoring = state.scoring_cache = None
+        keep = error is None and reason in ("stop", "length") and state.cache_prompt
+        self._leaving.append((state, self._fed(state) if keep else None))
+        state.status = ENDED
+        if error is not None:
+            self._fail_request(state, error)
+        else:
+            self._finish(state, reason)
 
     def _release(self, state: RequestState) -> bool:
         """Forget a request; False if it had already ended."""
@@ -364,6 +455,7 @@ class Scheduler:
     def _finish(self, state: RequestState, reason: str) -> None:
         if not self._release(state):
             return
+        state.finish_reason = reason
         state.output.finish(reason, state.usage, state.timings, state.report, state.submitted,
                             state.warnings)
 
@@ -374,6 +466,7 @@ class Scheduler:
                 failure = RequestFailedError(f"request {state.id!r} failed: {error!r}")
                 failure.__cause__ = error
                 error = failure
+            state.finish_reason = "error"
             state.emit(error)
 
     def _fail(self, error: BaseException) -> None:
@@ -386,20 +479,28 @@ class Scheduler:
         for state in live:
             self._fail_request(state, failed)
 
+    def _rank_lost(self, seconds: float) -> None:
+        """The watchdog's call (its own thread): a turn has not ended for `seconds`."""
+        logger.error("a rank did not answer for %.0f s: failing every request", seconds)
+        self._fail(TimeoutError(f"a rank of the sharded target did not answer within "
+                                f"{self.runtime.config.rank_timeout:.0f} s"))
+
     def _abort_all(self) -> None:
         """At shutdown: every request still running or queued ends with "abort"."""
         with self._lock:
             self.closed = True
         self._take_new(block=False)  # whatever was submitted before the stop
-        if self._prefilling is not None and self._prefilling.prefill is not None:
-            self._prefilling.prefill.close()
-        rows = [row for group in self._decoding for row in group.rows]
-        for state in [self._prefilling, *rows, *self._waiting]:
+        running = [self._prefilling, *self._prefilled, *self._joining,
+                   *self._decoding.values(), *self._waiting]
+        for state in running:
             if state is not None:
                 self._finish(state, "abort")
-        self._prefilling = None
+        self._prefilling, self._prefilled, self._joining = None, [], []
+        self._decoding.clear()
+        self._leaving.clear()
         self._waiting.clear()
         with self._lock:
             orphans = list(self.requests.values())
         for state in orphans:  # defensive: anything registered but never seen
             self._finish(state, "abort")
+

@@ -1,22 +1,28 @@
 """One request's state, from submission to its Result, owned by the scheduler.
 
-The caller's thread builds it (prompt tokens, validated options) and from then on
-only the worker mutates it, except `cancelled`, the one flag a caller sets.
+The caller's thread builds it (prompt tokens, validated options, the grammar compiled)
+and from then on only the worker mutates it, except `cancelled`, the one flag a caller
+sets. Its progress is fields, not a generator's frame: `status`, and while prefilling
+what the target computes (`feed`, at `feed_positions`, after `cached` restored entries)
+and how far it got (`fed` of them, in `chunk_ends`). `describe()` prints it.
 """
 
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Optional
+from typing import Callable, Generator, Optional
 
 import numpy as np
 
 from .output import OutputProcessor
+from .plan import Restore
 from .results import SpecPrefillReport, Timings, Usage
 from .sampling import SamplingParams, make_processors, make_sampler
 
+WAITING, SCORING, PREFILLING, DECODING, ENDED = "waiting", "scoring", "prefilling", "decoding", "ended"
 
-@dataclass(eq=False)  # identity, never field-wise comparison (token arrays)
+
+@dataclass(eq=False, repr=False)  # identity, never field-wise comparison (token arrays)
 class RequestState:
     id: str
     tokens: np.ndarray
@@ -27,7 +33,7 @@ class RequestState:
     threshold: int = 1024
     stream: bool = False
     progress: bool = False
-    response_format: Optional[dict] = None
+    constraint: Optional[Callable] = None  # the response_format's processor, built by the caller
     logits_processors: list = field(default_factory=list)
     cache_prompt: bool = True
     max_tokens: int = 256
@@ -41,28 +47,63 @@ class RequestState:
     timings: Timings = field(default_factory=Timings)
     report: SpecPrefillReport = field(default_factory=SpecPrefillReport)
     output: Optional[OutputProcessor] = None  # made with the state, on the caller's thread
-    prefill: Optional[Generator] = None  # the prefill steps while prefilling
     sampler: Optional[Callable] = None
     processors: list = field(default_factory=list)
-    generated: list = field(default_factory=list)  # tokens fed back so far (for processors)
-    positions: Optional[np.ndarray] = None  # each prompt cache entry's position; None: all
+    generated: list = field(default_factory=list)  # tokens sampled and read back so far
+    status: str = WAITING
+    handle: int = 0  # names the request in turn plans (and to the other ranks)
     reserved_bytes: int = 0
-    handle: int = 0  # names the request to the other ranks of a distributed engine
-    error: Optional[BaseException] = None  # set by a failed logits processor during a step
     started: Optional[float] = None
-    finished: bool = False
+    # scoring (the draft, rank 0 only): its unit generator and progress
+    scoring: Optional[Generator] = None
+    scoring_cache: Optional[list] = None  # the draft's cache while scoring
+    scored: tuple = (0, 0)
+    scoring_busy: float = 0.0  # seconds spent in its units (for the cost model)
+    # the target prefill: what to restore, what to feed and where each token sits
+    restore: Optional[Restore] = None
+    feed: Optional[np.ndarray] = None
+    feed_positions: Optional[np.ndarray] = None  # None: consecutive after the cached entries
+    cached: int = 0  # entries restored from the prefix cache
+    fed: int = 0  # feed tokens computed (planned: a failure ends the request)
+    prefill_busy: float = 0.0  # seconds spent in its chunks (for the cost model)
+    chunk_ends: list = field(default_factory=list)  # (end, pause) of the planned chunks
+    positions: Optional[np.ndarray] = None  # each prompt cache entry's position; None: all
+    shift: int = 0  # decode position minus cache entries (SpecPrefill rows)
+    first_token: Optional[int] = None  # sampled, not yet joined to a decode
+    finish_reason: Optional[str] = None
+    finished: bool = False  # its Result or error has gone out
 
     def __post_init__(self):
         self.usage.prompt_tokens = int(self.tokens.size)
         self.report.total_tokens = self.report.kept_tokens = int(self.tokens.size)
         self.report.keep = self.keep
 
-    def start(self, tokenizer, make_constraint: Optional[Callable[[Any, dict], Callable]]):
-        """On the worker, when prefill begins: the sampler and logits processors."""
+    def start(self) -> None:
+        """On the worker, when the request is admitted: its sampler and processors."""
         self.started = time.perf_counter()
         self.timings.queue_wait = self.started - self.submitted
         self.sampler = make_sampler(self.params)
         self.processors = make_processors(self.params, self.tokens[-32:].tolist())
         self.processors.extend(self.logits_processors)
-        if self.response_format is not None and make_constraint is not None:
-            self.processors.append(make_constraint(tokenizer, self.response_format))
+        if self.constraint is not None:
+            self.processors.append(self.constraint)
+
+    @property
+    def entries(self) -> int:
+        """Prompt entries in the target's cache once prefilled."""
+        return self.tokens.size if self.positions is None else int(self.positions.size)
+
+    def describe(self) -> str:
+        text = f"{self.id} (#{self.handle}) {self.status}"
+        if self.status == SCORING:
+            text += f" {self.scored[0]}/{self.scored[1]} draft units"
+        elif self.status == PREFILLING and self.feed is not None:
+            text += (f" {self.fed}/{self.feed.size} target tokens after {self.cached} cached"
+                     f"{' (sparse)' if self.feed_positions is not None else ''}")
+        elif self.status in (DECODING, ENDED):
+            text += f" {len(self.generated)}/{self.max_tokens} tokens"
+        if self.finish_reason:
+            text += f" [{self.finish_reason}]"
+        return text
+
+    __repr__ = describe

@@ -1,0 +1,209 @@
+"""Runs a turn's plan on the target: the same code on one process and on every rank.
+
+The executor owns what the target computes with: each prefilling request's cache, the
+decode batch (and the solo decodes of a model that cannot batch) and the prefix-cache
+entries' KV. It runs a `TurnPlan` in the plan's order and returns a `TurnOutcome`:
+the tokens the decode step read back, the last logits of prompts whose last chunk ran,
+and per-request errors. Nothing a request does escapes `run`: a step, chunk, join or
+store that fails is that request's error (a failed batched forward is every row's of
+that batch). On a sharded target the ranks agree after the turn's stores and joins,
+which may fail on one rank alone (memory), so every rank undoes the same ones; a failure
+inside a prefill or decode forward leaves the ranks' collectives apart, and is raised
+(the engine cannot go on).
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..core.prefill import prefill_chunk
+from .batch import DecodeBatch, SoloDecode, cut_cache
+from .plan import TurnPlan
+from .prefix_cache import PrefixCache, restore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TurnOutcome:
+    tokens: list = field(default_factory=list)  # (row, token) read back by the decode step
+    logits: dict = field(default_factory=dict)  # handle -> (1, vocab) last prompt logits
+    failed: dict = field(default_factory=dict)  # handle -> error
+    uncached: list = field(default_factory=list)  # prefix-cache keys whose store failed
+    seconds: dict = field(default_factory=dict)  # handle -> time in its prefill chunks
+
+
+class _Row:
+    """A rank > 0's stand-in for a request: only its handle matters."""
+
+    __slots__ = ("handle", "processors")
+
+    def __init__(self, handle: int):
+        self.handle, self.processors = handle, []
+
+
+class Executor:
+    def __init__(self, model, prefix: Optional[PrefixCache], group=None, sampling: bool = True):
+        self.model = model
+        self.prefix = prefix
+        self.group = group  # a sharded target's process group
+        self.sampling = sampling  # rank 0: rows are RequestStates that sample
+        self.caches: dict = {}  # handle -> target cache while prefilling
+        self.rows: dict = {}  # handle -> row while decoding
+        self.groups: dict = {}  # handle -> its DecodeBatch or SoloDecode
+        self.batch = DecodeBatch(model, group, sampling)
+        # fault injection for tests: stage -> predicate(handle) raising inside that stage
+        self.faults: dict = {}
+
+    def _fault(self, stage: str, handle: int) -> None:
+        check = self.faults.get(stage)
+        if check is not None:
+            check(handle)
+
+    def run(self, plan: TurnPlan, rows: Optional[Callable[[int], object]] = None) -> TurnOutcome:
+        """Run one plan; `rows(handle)` gives rank 0's request state for a join."""
+        outcome = TurnOutcome()
+        stored = [self._store(s, outcome) for s in plan.stores]
+        for key in plan.drops:
+            if self.prefix is not None:
+                self.prefix.drop(key)
+        for handle in plan.releases:
+            self._release(handle)
+        joined = [self._join(j, rows, outcome) for j in plan.joins]
+        if self.group is not None and (plan.stores or plan.joins):
+            self._agree(plan, stored, joined, outcome)
+        if plan.decode:
+            self._decode(outcome)
+        for entry in plan.restores:
+            self._guard(outcome, entry.handle, "restore", self._restore, entry)
+        for chunk in plan.chunks:
+            if chunk.handle not in outcome.failed:
+                self._guard(outcome, chunk.handle, "prefill", self._chunk, chunk, outcome)
+        return outcome
+
+    def _guard(self, outcome: TurnOutcome, handle: int, stage: str, work, *args) -> None:
+        try:
+            self._fault(stage, handle)
+            work(*args)
+        except Exception as error:
+            if self.group is not None:
+                raise  # the other ranks run this request's forwards: they cannot agree now
+            outcome.failed[handle] = error
+            self.caches.pop(handle, None)
+
+    # target work ----------------------------------------------------------------
+
+    def _store(self, store, outcome: TurnOutcome) -> bool:
+        try:
+            self._fault("store", store.handle)
+            if store.handle in self.caches:
+                states = cut_cache(self.caches[store.handle], store.count)
+            else:
+                states = self.groups[store.handle].extract(self.rows[store.handle], store.count)
+            states = [(layer.keys, layer.values) for layer in states]
+            mx.eval(states)
+            self.prefix.put(store.key, states)
+            return True
+        except Exception as error:  # this entry is not kept; the request is unaffected
+            logger.warning("prefix-cache store of request #%d failed: %r", store.handle, error)
+            self.prefix.drop(store.key)
+            outcome.uncached.append(store.key)
+            return False
+
+    def _release(self, handle: int) -> None:
+        self.caches.pop(handle, None)
+        row = self.rows.pop(handle, None)
+        group = self.groups.pop(handle, None)
+        if group is not None:
+            group.remove({row})
+
+    def _join(self, join, rows, outcome: TurnOutcome) -> bool:
+        handle = join.handle
+        row = rows(handle) if rows is not None else _Row(handle)
+        try:
+            self._fault("join", handle)
+            cache = self.caches[handle]
+            if join.solo:
+                group = SoloDecode(self.model, row, cache, join.token, join.shift, self.group,
+                                   self.sampling)
+            else:
+                self.batch.add(row, cache, join.token, join.shift)
+                group = self.batch
+        except Exception as error:
+            outcome.failed[handle] = error
+            self.caches.pop(handle, None)
+            return False
+        del self.caches[handle]
+        self.rows[handle], self.groups[handle] = row, group
+        return True
+
+    def _agree(self, plan: TurnPlan, stored: list, joined: list, outcome: TurnOutcome) -> None:
+        """Every rank learns which stores and joins failed on any rank, and undoes
+        them: a row must be in every rank's batch or in none."""
+        local = np.array([not ok for ok in stored + joined], dtype=np.int32)
+        anywhere = np.array(mx.distributed.all_sum(mx.array(local), group=self.group)) > 0
+        for store, failed, ok in zip(plan.stores, anywhere[: len(stored)], stored):
+            if failed and ok:
+                self.prefix.drop(store.key)
+                outcome.uncached.append(store.key)
+        for join, failed, ok in zip(plan.joins, anywhere[len(stored):], joined):
+            if failed and ok:
+                self._release(join.handle)
+                outcome.failed.setdefault(join.handle, RuntimeError(
+                    "joining the decode batch failed on another rank"))
+
+    def _decode(self, outcome: TurnOutcome) -> None:
+        check = self.faults.get("decode")
+        if check is not None:  # a row whose step cannot be prepared leaves before it
+            for handle in list(self.rows):
+                try:
+                    check(handle)
+                except Exception as error:
+                    outcome.failed[handle] = error
+                    self._release(handle)
+        groups = [self.batch] if len(self.batch) else []
+        groups += [g for g in dict.fromkeys(self.groups.values()) if isinstance(g, SoloDecode)]
+        for group in groups:
+            try:
+                produced, failed = group.step()
+            except Exception as error:  # e.g. out of memory: these rows fail, the others go on
+                if self.group is not None:
+                    raise
+                for row in list(group.rows):
+                    outcome.failed[row.handle] = error
+                    self._release(row.handle)
+                continue
+            outcome.tokens += produced
+            for row, error in failed.items():
+                outcome.failed[row.handle] = error
+
+    def _restore(self, entry) -> None:
+        states = None
+        if entry.key >= 0:
+            states = self.prefix.entries[entry.key].states
+        self.caches[entry.handle] = restore(self.model, states, entry.count)
+
+    def _chunk(self, chunk, outcome: TurnOutcome) -> None:
+        started = time.perf_counter()
+        logits = prefill_chunk(self.model, mx.array(chunk.tokens), self.caches[chunk.handle],
+                               chunk.positions, want_logits=chunk.last)
+        seconds = outcome.seconds.get(chunk.handle, 0.0) + time.perf_counter() - started
+        outcome.seconds[chunk.handle] = seconds
+        if chunk.last:
+            outcome.logits[chunk.handle] = logits[:, -1, :]
+
+    def cache_of(self, handle: int) -> list:
+        """A prefilled request's cache (rank 0 reads the first attention layer's length)."""
+        return self.caches[handle]
+
+    def clear(self) -> None:
+        self.caches.clear()
+        self.rows.clear()
+        self.groups.clear()
+        self.batch = DecodeBatch(self.model, self.group, self.sampling)
+        if self.prefix is not None:
+            self.prefix.clear()
