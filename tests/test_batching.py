@@ -122,24 +122,22 @@ async def test_cancelling_one_row_leaves_the_others_and_seeded_rows_match_their_
 
 
 async def test_no_wrapper_is_on_either_model_between_decode_steps():
+    """Checked on the worker, at every decode step of a stream (its logits processor
+    runs inside the step) while SpecPrefill requests score and prefill around it."""
     async with Engine(threshold=256) as engine:
         runtime = engine._scheduler.runtime
+        seen = []
+
+        def check(generated, logits):
+            seen.append(wrappers_left(runtime.model) + wrappers_left(runtime.scorer.model))
+            return logits
+
         prompts = [chat(engine.tokenizer, 60 + i, 600) for i in range(3)]
-        streams = [engine.stream(p, max_tokens=30, specprefill=True) for p in prompts]
-        firsts = [await s.__anext__() for s in streams]  # every request is decoding now
-        assert all(f.text is not None for f in firsts)
-        checks = 0
-        for _ in range(10):
-            for s in streams:
-                try:
-                    await s.__anext__()
-                except StopAsyncIteration:
-                    continue
-                assert wrappers_left(runtime.model) == [] and wrappers_left(runtime.scorer.model) == []
-                checks += 1
-        for s in streams:
-            await s.aclose()
-        assert checks > 10
+        watched = engine.generate(chat(engine.tokenizer, 59, 300), max_tokens=60, ignore_eos=True,
+                                  logits_processors=[check], specprefill=False)
+        await asyncio.gather(watched, *(engine.generate(p, max_tokens=8, specprefill=True)
+                                        for p in prompts))
+    assert len(seen) >= 60 and all(found == [] for found in seen), seen
 
 
 async def test_admission_beyond_the_batch_size_or_kv_budget_waits_and_never_fails():

@@ -3,6 +3,8 @@
 import asyncio
 import sys
 import threading
+from contextlib import contextmanager
+from types import ModuleType
 
 import mlx.core as mx
 import pytest
@@ -186,33 +188,70 @@ def test_sync_facade_and_several_event_loops(engine):
         engine.generate_sync(messages, max_tokens=8, specprefill=False).text
 
 
-def test_no_mlx_call_happens_off_the_worker_thread():
-    """Every Python frame of mlx / mlx-lm model code runs on the worker thread.
+@contextmanager
+def recording_mlx_calls(calls: dict):
+    """Record the thread of every call into MLX's C++ (the functions of mlx.core and its
+    submodules, the array's methods and operators: each wrapped, the real call still
+    made) and of every Python frame of mlx / mlx-lm model code (mlx-lm's tokenizer
+    wrapper is not MLX work)."""
+    def record(name):
+        calls.setdefault(threading.current_thread().name, set()).add(name)
 
-    (mlx-lm's tokenizer wrapper is not MLX work and may run on the caller's thread.)
-    """
-    calls = {}
+    def wrapped(owner, name, call):
+        def wrapper(*args, **kwargs):
+            record(name)
+            return call(*args, **kwargs)
+        return wrapper
+
+    patched = []
+    for owner in (mx, mx.random, mx.fast, mx.linalg):
+        for name in dir(owner):
+            value = getattr(owner, name)
+            if not name.startswith("_") and callable(value) and not isinstance(value, type) \
+                    and not isinstance(value, ModuleType):
+                patched.append((owner, name, value))
+    for name in [n for n in dir(mx.array) if not n.startswith("_")] + [
+            "__getitem__", "__setitem__", "__add__", "__sub__", "__mul__", "__truediv__",
+            "__matmul__", "__neg__", "__eq__", "__lt__", "__gt__", "__bool__", "__len__"]:
+        value = getattr(mx.array, name)
+        if callable(value):
+            patched.append((mx.array, name, value))
 
     def profile(frame, event, arg):
         path = frame.f_code.co_filename
         if event == "call" and ("/mlx/" in path or "/mlx_lm/" in path) \
                 and not path.endswith("tokenizer_utils.py"):
-            name = threading.current_thread().name
-            calls.setdefault(name, set()).add(frame.f_code.co_name)
+            record(frame.f_code.co_name)
+
+    for owner, name, value in patched:
+        setattr(owner, name, wrapped(owner, name, value))
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+        for owner, name, value in patched:
+            setattr(owner, name, value)
+
+
+def test_no_mlx_call_happens_off_the_worker_thread():
+    """Every MLX call, Python or C++, runs on the worker thread."""
+    calls = {}
 
     async def run(engine):
         await engine.generate("def main():", max_tokens=4)
         async for _ in engine.stream("import os", max_tokens=4):
             pass
+        await engine.generate(chat(engine, 7, 300), max_tokens=4, specprefill=True,
+                              response_format={"type": "json_object"})
 
     engine = Engine(step_size=256)
-    threading.setprofile(profile)
-    sys.setprofile(profile)
-    try:
+    with recording_mlx_calls(calls):
         asyncio.run(run(engine))
         engine.shutdown_sync()
-    finally:
-        sys.setprofile(None)
-        threading.setprofile(None)
+        mx.zeros((1,)).tolist()  # the probe sees calls off the worker: these, on this thread
+    assert calls.pop("MainThread") == {"zeros", "tolist"}, calls
     assert "specprefill-worker" in calls
     assert set(calls) == {"specprefill-worker"}, calls

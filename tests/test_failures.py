@@ -1,0 +1,146 @@
+"""A failure stays with its request: whatever one request does wrong, or whatever fails
+in one of its steps, that request ends with an error and every other request ends as
+if it had run alone; the engine serves the next request.
+
+Faults are injected at each stage of the executor (`Executor.faults`: restore, prefill,
+join, decode, store), in a request's logits processor (sample) and in its output
+processing (output), for one request of a batch of 8. On 0945836 (checked with the same
+faults raised from `DecodeBatch.add`, `OutputProcessor.accept` and `PrefixCache.store`)
+an error at a join, in output processing or at a store ended the worker
+(`EngineFailedError` for the rest of the batch), a processor of the wrong width failed
+its neighbours in the batch, and a schema llguidance cannot compile ended the engine;
+a failing prefill chunk, restore or processor already failed its request alone.
+"""
+
+import asyncio
+
+import pytest
+
+from specprefill_engine import Engine
+from specprefill_engine.demo_tasks import make_case
+from specprefill_engine.engine import RequestFailedError
+from specprefill_engine.engine.output import OutputProcessor
+
+pytestmark = pytest.mark.timeout(300)
+HANG = 120
+VICTIM = "victim"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = Engine(threshold=256).start_sync()
+    yield engine
+    engine.shutdown_sync()
+
+
+def batch(engine) -> list:
+    """Eight requests: chat prompts of 300-700 tokens, dense and SpecPrefill rows."""
+    return [dict(prompt=make_case(engine.tokenizer, 80 + i, "passkey", 300 + 60 * i).messages,
+                 max_tokens=10, specprefill=i % 2 == 1, ignore_eos=True, cache_prompt=False)
+            for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def alone(engine) -> list:
+    return [engine.generate_sync(**request).token_ids for request in batch(engine)]
+
+
+def _handle_is_victim(engine, handle: int) -> bool:
+    state = engine._scheduler.requests.get(VICTIM)
+    return state is not None and state.handle == handle
+
+
+class Fault(RuntimeError):
+    """The injected failure."""
+
+
+@pytest.mark.parametrize("stage", ["restore", "prefill", "join", "decode", "sample", "output",
+                                   "store"])
+async def test_a_failure_at_any_stage_fails_only_its_request(engine, alone, stage, monkeypatch):
+    requests = batch(engine)
+    victim = requests[3]
+    victim["request_id"] = VICTIM
+    executor = engine._scheduler.executor
+
+    def fault(handle):
+        if _handle_is_victim(engine, handle):
+            raise Fault(f"injected at {stage}")
+
+    if stage in ("restore", "prefill", "join", "decode", "store"):
+        executor.faults[stage] = fault
+    if stage == "store":  # the victim's cache is kept, or not: it must succeed either way
+        victim["cache_prompt"] = True
+    if stage == "sample":
+        def processor(generated, logits):
+            if generated.size >= 2:
+                raise Fault("injected at sample")
+            return logits
+        victim["logits_processors"] = [processor]
+    if stage == "output":
+        accept = OutputProcessor.accept
+
+        def faulty(self, token):
+            if self.request_id == VICTIM and len(self.tokens) >= 2:
+                raise Fault("injected at output")
+            return accept(self, token)
+        monkeypatch.setattr(OutputProcessor, "accept", faulty)
+    try:
+        outcomes = await asyncio.wait_for(asyncio.gather(
+            *(engine.generate(**request) for request in requests), return_exceptions=True), HANG)
+    finally:
+        executor.faults.clear()
+    for index, outcome in enumerate(outcomes):
+        if index == 3 and stage != "store":
+            assert isinstance(outcome, RequestFailedError), outcome
+            assert isinstance(outcome.__cause__, Fault), outcome.__cause__
+        else:
+            assert not isinstance(outcome, BaseException), (index, outcome)
+            assert outcome.token_ids == alone[index], index
+    assert engine.active_request_ids == []
+    after = await engine.generate(**batch(engine)[0])
+    assert after.token_ids == alone[0]
+
+
+async def test_a_processor_of_the_wrong_width_fails_only_its_request(engine, alone):
+    request = batch(engine)[0]
+    request["max_tokens"] = 30
+    reference = await engine.generate(**request)
+    stream = engine.stream(**request)
+    tokens = list((await stream.__anext__()).token_ids)  # decoding now
+    narrow = engine.generate(**batch(engine)[1], logits_processors=[lambda t, l: l[:, :-1]])
+    outcome = (await asyncio.gather(narrow, return_exceptions=True))[0]
+    async for chunk in stream:
+        tokens += chunk.token_ids
+    assert isinstance(outcome, RequestFailedError) and "shape" in str(outcome.__cause__)
+    assert tokens == reference.token_ids
+
+
+BAD_FORMATS = [
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}},
+    {"type": "tool_call", "tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": 7}}}}}]},
+]
+
+
+@pytest.mark.parametrize("response_format", BAD_FORMATS, ids=["type", "ref", "tool"])
+async def test_a_schema_that_cannot_compile_is_refused_at_the_call(engine, alone, response_format):
+    request = batch(engine)[0]
+    with pytest.raises(ValueError, match="response_format"):
+        await engine.generate(**request, response_format=response_format)
+    assert (await engine.generate(**request)).token_ids == alone[0]
+
+
+async def test_keep_is_honoured_when_a_stored_selection_is_reused(engine):
+    messages = make_case(engine.tokenizer, 90, "passkey", 1600).messages
+    first = await engine.generate(messages, max_tokens=4, specprefill=True, keep=0.3)
+    second = await engine.generate(messages, max_tokens=4, specprefill=True, keep=0.6)
+    with Engine() as fresh:
+        expected = fresh.generate_sync(messages, max_tokens=4, specprefill=True, keep=0.6)
+    assert first.specprefill.kept_tokens < second.specprefill.kept_tokens
+    assert second.specprefill.kept_tokens == expected.specprefill.kept_tokens
+    assert "kept 0.3" in second.specprefill.reuse, second.specprefill.reuse
+    again = await engine.generate(messages, max_tokens=4, specprefill=True, keep=0.3)
+    assert again.specprefill.reuse.startswith("sparse prefix"), again.specprefill.reuse
