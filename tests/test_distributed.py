@@ -12,8 +12,11 @@ decode (dynamic NTK RoPE) runs the same way, each request in its own SoloDecode.
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -111,6 +114,96 @@ def test_a_target_that_cannot_batch_decodes_alone_on_every_rank(tmp_path):
     assert shared["again-sparse"]["cached"] > 0
     assert shared["active_after"] == 0  # the stream left early was released everywhere
     _check_ranks_ended(out)
+
+
+@needs_launch
+def test_a_request_failing_on_rank_0_fails_alone_on_every_rank(tmp_path):
+    """One request of four fails at its join, its prefix-cache store, its output or its
+    sampling on rank 0: it alone fails (a store fault only leaves it uncached), the
+    others and the next request give what one process gives, and no rank hangs."""
+    alone, shared, out = _run_both(tmp_path, "faults")
+    assert (alone.pop("ranks"), shared.pop("ranks")) == (1, 2)
+    assert shared == alone
+    for stage in ("join", "output", "sample"):
+        assert shared[stage][1] == "RequestFailedError", (stage, shared[stage])
+    assert isinstance(shared["store"][1], dict)
+    assert shared["active_after"] == 0
+    _check_ranks_ended(out)
+
+
+def _free_ports(count: int) -> list:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _start_ranks(tmp_path: Path, scenario: str, *extra) -> tuple[list, Path]:
+    """The two ranks of a localhost ring started by hand (as mlx.launch does), so a test
+    can stop one and watch the other."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in _free_ports(2)]))
+    out = tmp_path / f"{scenario}.json"
+    ranks = []
+    for rank in (0, 1):
+        env = {**_env(), "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+        ranks.append(subprocess.Popen([sys.executable, str(PROGRAM), str(out), scenario,
+                                       *map(str, extra)], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return ranks, out
+
+
+def _wait_for(path: Path, processes: list, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline, [p.poll() for p in processes]
+        assert processes[0].poll() is None, processes[0].communicate()
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_lost_follower_fails_every_caller_within_the_bound(tmp_path, how):
+    """Rank 1 killed (its ring connection breaks: rank 0's next collective raises) or
+    stopped (it never answers: rank 0's watchdog fires after `rank_timeout`, 5 s here)
+    while rank 0 streams: the caller gets EngineFailedError, later calls too, and rank
+    0 exits on its own."""
+    ranks, out = _start_ranks(tmp_path, "lost")
+    try:
+        _wait_for(Path(f"{out}.decoding"), ranks)
+        ranks[1].send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        ranks[0].wait(timeout=60)
+        result = json.loads(out.read_text())
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
+    assert result["error"].startswith("EngineFailedError"), result
+    assert ("connection" in result["error"]) if how == "killed" else ("5 s" in result["error"])
+    assert result["later"] == "EngineFailedError"
+    assert result["seconds_after_decoding"] < (10 if how == "killed" else 20)
+
+
+def test_a_target_rank_0_cannot_load_releases_every_rank(tmp_path):
+    """Rank 0 fails to load its target while rank 1 loads its own: the ranks agree
+    before any probe forward, so both starts raise and both processes exit."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    ranks, out = _start_ranks(tmp_path, "broken", broken)
+    try:
+        for process in ranks:
+            process.wait(timeout=120)
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
+    assert Path(f"{out}.error0").read_text().startswith("ModelLoadError")
+    assert "1 of 2 ranks failed to load" in Path(f"{out}.error1").read_text()
 
 
 @needs_launch

@@ -4,19 +4,25 @@ Rank 0 answers a fixed set of requests and writes them as JSON to argv[1]; on a
 rank > 0 the engine's start serves rank 0 and exits the process when rank 0 shuts
 down, so nothing after it runs there. Each rank writes its pid to argv[1].pid<rank>.
 argv[2]: "outputs" (dense, SpecPrefill, batched, prefix-cached), "cancel" (a
-stream left early, a task cancelled, then requests that must still run) or "solo"
+stream left early, a task cancelled, then requests that must still run), "solo"
 (the target at argv[3], one that cannot batch decode, with the demo draft: dense,
 SpecPrefill, two at once, prefix-cached, a stream left early; every request decodes
-on its own).
+on its own), "faults" (on rank 0, one request of four fails at its join, store, output
+or sampling; the others and the next request must run as on one process) or "lost"
+(rank 0 streams a long request and writes argv[1].decoding once it decodes; the test
+then kills or stops rank 1, and rank 0 writes what its caller got); "broken" (rank
+0's target, at argv[3], cannot be loaded: each rank writes the error its start raised).
 """
 
 import asyncio
 import json
 import os
 import sys
+import time
 
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_case
+from specprefill_engine.engine.output import OutputProcessor
 from specprefill_engine.loading import DEMO_DRAFT
 
 OUT = sys.argv[1]
@@ -70,7 +76,7 @@ async def cancel(engine) -> dict:
         pass
     after = await engine.generate(b, max_tokens=6, specprefill=False, cache_prompt=False)
     left = len(engine.active_request_ids)
-    # the automatic policy calibrates the target on every rank (timings differ, so
+    # the automatic policy decides on rank 0 (its predictions come from timings, so
     # its choice is not compared with one process)
     auto = await engine.generate(a, max_tokens=4, threshold=256, cache_prompt=False)
     return {"after": row(after), "active_after": left, "auto": auto.specprefill.reason}
@@ -104,23 +110,105 @@ async def solo(engine) -> dict:
     return out
 
 
-SCENARIOS = {"outputs": outputs, "cancel": cancel, "solo": solo}
+class Fault(RuntimeError):
+    """The injected failure."""
+
+
+async def faults(engine) -> dict:
+    a, b = prompt(engine.tokenizer, 1), prompt(engine.tokenizer, 2)
+    executor, accept = engine._scheduler.executor, OutputProcessor.accept
+    out = {}
+    for stage in ("join", "store", "output", "sample"):
+        victim = f"victim-{stage}"
+
+        def fault(handle, victim=victim):
+            state = engine._scheduler.requests.get(victim)
+            if state is not None and state.handle == handle:
+                raise Fault(stage)
+
+        def faulty(self, token, victim=victim):
+            if self.request_id == victim and len(self.tokens) >= 2:
+                raise Fault("output")
+            return accept(self, token)
+
+        def processor(generated, logits):
+            if generated.size >= 2:
+                raise Fault("sample")
+            return logits
+
+        extra = {"request_id": victim}
+        if stage in ("join", "store"):
+            executor.faults[stage] = fault
+        elif stage == "output":
+            OutputProcessor.accept = faulty
+        else:
+            extra["logits_processors"] = [processor]
+        requests = [dict(prompt=a, max_tokens=6, specprefill=False),
+                    dict(prompt=b, max_tokens=8, specprefill=True, **extra),
+                    dict(prompt=a, max_tokens=7, specprefill=True, cache_prompt=False),
+                    dict(prompt=b, max_tokens=5, specprefill=False, cache_prompt=False)]
+        results = await asyncio.gather(*(engine.generate(**r) for r in requests),
+                                       return_exceptions=True)
+        executor.faults.clear()
+        OutputProcessor.accept = accept
+        out[stage] = [type(r).__name__ if isinstance(r, BaseException) else row(r)
+                      for r in results]
+    out["after"] = row(await engine.generate(b, max_tokens=6, specprefill=False))
+    out["active_after"] = len(engine.active_request_ids)
+    return out
+
+
+async def lost(engine) -> dict:
+    started, chunks = None, 0
+    try:
+        async for _ in engine.stream(prompt(engine.tokenizer, 1), max_tokens=100000,
+                                     ignore_eos=True, specprefill=False):
+            chunks += 1
+            if chunks == 2:
+                with open(f"{OUT}.decoding", "w") as f:
+                    f.write("")
+                started = time.monotonic()
+        error = "none"
+    except Exception as failure:
+        error = f"{type(failure).__name__}: {failure}"
+    waited = time.monotonic() - started if started is not None else -1.0
+    try:
+        await engine.generate("def f():", max_tokens=2)
+        later = "served"
+    except Exception as failure:
+        later = type(failure).__name__
+    return {"error": error, "seconds_after_decoding": waited, "later": later}
+
+
+SCENARIOS = {"outputs": outputs, "cancel": cancel, "solo": solo, "faults": faults, "lost": lost}
 
 
 async def main():
+    if SCENARIO == "broken":
+        rank = int(os.environ.get("MLX_RANK", "0"))
+        engine = Engine(model=TARGET if rank == 0 else None, draft=str(DEMO_DRAFT))
+        try:
+            await engine.start()
+            error = "none"
+        except BaseException as failure:
+            error = f"{type(failure).__name__}: {failure}"
+        with open(f"{OUT}.error{rank}", "w") as f:
+            f.write(error)
+        return
     if SCENARIO == "solo":
         engine = Engine(model=TARGET, draft=str(DEMO_DRAFT), max_batch_size=4, step_size=256)
     else:
-        engine = Engine(max_batch_size=4, step_size=256)
+        engine = Engine(max_batch_size=4, step_size=256, rank_timeout=5)
     with open(f"{OUT}.pid{engine.rank}", "w") as f:
         f.write(str(os.getpid()))
-    async with engine:
-        with open(f"{OUT}.inside{engine.rank}", "w") as f:  # rank 0 only gets here
-            f.write("")
-        payload = {"ranks": engine.ranks}
-        payload.update(await SCENARIOS[SCENARIO](engine))
+    await engine.start()
+    with open(f"{OUT}.inside{engine.rank}", "w") as f:  # rank 0 only gets here
+        f.write("")
+    payload = {"ranks": engine.ranks}
+    payload.update(await SCENARIOS[SCENARIO](engine))
     with open(OUT, "w") as f:
         json.dump(payload, f)
+    await engine.shutdown(timeout=5)
 
 
 asyncio.run(main())
