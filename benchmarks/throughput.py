@@ -17,9 +17,13 @@ time between decode steps, so its requests start staggered and the end of the
 steady window has fewer than N streams; mlx-lm prefills them together.
 Then the longest gap a decoding stream sees while another request prefills 8K
 tokens, against the median scheduler turn of that prefill (medians over the repeats).
+With `--special-rows`, at 16 streams: the engine with one row under a repetition
+penalty, and with one constrained row (`response_format` json_object), against all
+plain rows, alternating (a processor must not stop the batch's pipelining).
 
     .venv/bin/python benchmarks/throughput.py                       # CPU, demo target
     python benchmarks/throughput.py --shape qwen3-8b --json out.json  # GPU, random weights
+    .venv/bin/python benchmarks/throughput.py --special-rows --streams 16 --repeats 5
 """
 
 import argparse
@@ -28,6 +32,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
 import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
 import mlx.core as mx
@@ -73,13 +78,15 @@ def medians(runs: list) -> dict:
     return row
 
 
-async def engine_run(engine, batch: list, new_tokens: int) -> dict:
+async def engine_run(engine, batch: list, new_tokens: int, first: Optional[dict] = None) -> dict:
+    """`first`: extra options for the first request only."""
     stamps = [[] for _ in batch]
     submitted = time.perf_counter()
 
     async def one(index, ids):
+        extra = first if index == 0 and first else {}
         async for _ in engine.stream(ids, max_tokens=new_tokens, ignore_eos=True,
-                                     specprefill=False, cache_prompt=False):
+                                     specprefill=False, cache_prompt=False, **extra):
             stamps[index].append(time.perf_counter())
 
     await asyncio.gather(*(one(i, ids) for i, ids in enumerate(batch)))
@@ -137,6 +144,31 @@ async def prefill_stall(engine, vocab: int, long_tokens: int) -> dict:
             "ratio": float(gaps.max() / turn)}
 
 
+SPECIAL_ROWS = {"penalized": {"repetition_penalty": 1.1},
+                "constrained": {"response_format": {"type": "json_object"}}}
+
+
+async def special_rows(engine, args, vocab: int) -> list:
+    """16 streams: one penalized or constrained row against none, alternating."""
+    batch = prompts(16, args.prompt, vocab, 16)
+    runs = {name: [] for name in ("plain", *SPECIAL_ROWS)}
+    for _ in range(args.repeats):
+        runs["plain"].append(await engine_run(engine, batch, args.new_tokens))
+        for name, options in SPECIAL_ROWS.items():
+            runs[name].append(await engine_run(engine, batch, args.new_tokens, options))
+    plain = medians(runs["plain"])
+    rows = []
+    for name in SPECIAL_ROWS:
+        ours = medians(runs[name])
+        rows.append({"special_row": name, "streams": 16, "repeats": args.repeats,
+                     "with": ours, "without": plain,
+                     "ratio": ours["tok_s"] / plain["tok_s"],
+                     "ratio_runs": [a["tok_s"] / b["tok_s"]
+                                    for a, b in zip(runs[name], runs["plain"])]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 async def main_async(args) -> list:
     path = random_model_dir(args.shape) if args.shape else None
     model, _ = load_model(path) if path else load_model()
@@ -146,6 +178,8 @@ async def main_async(args) -> list:
     async with Engine(model=path, draft=None, max_batch_size=max(*args.streams, 2)) as engine:
         warm = prompts(2, args.prompt, vocab, 99)
         await engine_run(engine, warm, 8)
+        if args.special_rows:
+            return await special_rows(engine, args, vocab)
         mlx_lm_batch_run(model, warm, 8)
         for n in args.streams:
             batch = prompts(n, args.prompt, vocab, n)
@@ -193,6 +227,8 @@ def main():
     parser = decode_arguments(__doc__, repeats=3)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--long-prompt", type=int, default=8192)
+    parser.add_argument("--special-rows", action="store_true",
+                        help="only: 16 streams with one penalized / constrained row vs none")
     args = parser.parse_args()
     rows = asyncio.run(main_async(args))
     if args.json:
