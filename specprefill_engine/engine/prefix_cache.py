@@ -76,7 +76,7 @@ def snapshot(cache: list) -> Snapshot:
     """The cache's uncuttable layers now, by reference: cheap enough to take at every
     point a later prompt may share (each chat message's end, the prompt's end)."""
     layers = {i: (type(c), _hold(c.state)) for i, c in enumerate(cache) if not cuttable(c)}
-    return Snapshot(layers, _fed(cache), _nbytes([state for _, state in layers.values()]))
+    return Snapshot(layers, _fed(cache), _nbytes(list(layers.values())))
 
 
 @dataclass
@@ -104,10 +104,14 @@ class Entry:
             return min(position, self.tokens.size)
         return int(np.searchsorted(self.positions, position))
 
+    @property
+    def cuts_anywhere(self) -> bool:
+        return all(layer is not None for layer in self.kv)
+
     def restorable(self, limit: int) -> int:
         """The longest prefix of at most `limit` tokens a restore can start from."""
         limit = min(limit, self.tokens.size)
-        if all(layer is not None for layer in self.kv):
+        if self.cuts_anywhere:
             return max(limit, 0)
         return max((length for length in self.checkpoints if length <= limit), default=0)
 
@@ -130,7 +134,7 @@ class Hit:
         if cut <= 0:
             return "none"
         entry = self.entry
-        if all(layer is not None for layer in entry.kv):
+        if entry.cuts_anywhere:
             text = f"prefix of {cut} tokens" if cut == self.shared else \
                 f"prefix of {cut} of {self.shared} shared tokens"
         else:
