@@ -152,6 +152,14 @@ def default_draft_step_size() -> int:
     return 128 if mx.default_device() == mx.cpu else 8192
 
 
+def capture_start(prompt_length: int, step_size: int, n_window: int = 1) -> int:
+    """Where the scoring's last chunk, the forward that captures the queries, starts (it
+    holds at least the window): a draft cache restored past it is cut back (a cache
+    that cannot be cut must be restored at or before it)."""
+    start = max(((prompt_length - 1) // step_size) * step_size, 0)
+    return min(start, prompt_length - min(n_window, prompt_length))
+
+
 def score_steps(
     draft_model: nn.Module,
     tokens,
@@ -190,9 +198,7 @@ def score_steps(
     cache = make_prompt_cache(draft_model) if cache is None else cache
     sites = _scored_sites(draft_model, prompt_length, cache)
     n_window = min(n_window, prompt_length)
-    # the last chunk (it holds at least the window) is the capturing forward
-    last_start = max(((prompt_length - 1) // step_size) * step_size, 0)
-    last_start = min(last_start, prompt_length - n_window)
+    last_start = capture_start(prompt_length, step_size, n_window)
     cached = min(cache[sites[0].cache_index].offset, last_start)
     for layer in cache:
         if getattr(layer, "offset", 0) > cached:

@@ -31,7 +31,7 @@ import numpy as np
 
 from .executor import Executor
 from .plan import TurnPlan, decode, encode
-from .prefix_cache import PrefixCache
+from .prefix_cache import prefix_cache_for
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +139,8 @@ class FollowerWorker:
         try:
             model = self._load()
             self.ready.set_result(None)
-            executor = Executor(model, PrefixCache(self.prefix_cache_bytes), self.group,
-                                sampling=False)
+            executor = Executor(model, prefix_cache_for(model, self.prefix_cache_bytes),
+                                self.group, sampling=False)
             channel = Channel(self.group)
             while not (plan := channel.receive()).shutdown:
                 outcome = executor.run(plan)

@@ -1,15 +1,18 @@
 """Runs a turn's plan on the target: the same code on one process and on every rank.
 
-The executor owns what the target computes with: each prefilling request's cache, the
-decode batch (and the solo decodes of a model that cannot batch) and the prefix-cache
-entries' KV. It runs a `TurnPlan` in the plan's order and returns a `TurnOutcome`:
-the tokens the decode step read back, the last logits of prompts whose last chunk ran,
-and per-request errors. Nothing a request does escapes `run`: a step, chunk, join or
-store that fails is that request's error (a failed batched forward is every row's of
-that batch). On a sharded target the ranks agree after the turn's stores and joins,
-which may fail on one rank alone (memory), so every rank undoes the same ones; a failure
-inside a prefill or decode forward leaves the ranks' collectives apart, and is raised
-(the engine cannot go on).
+The executor owns what the target computes with: each prefilling request's cache and
+the checkpoints taken on the way (models whose caches cannot be cut: `prefix_cache.py`),
+the decode batch (and the solo decodes of a model that cannot batch) and the prefix
+cache, which every rank keeps alike by making the same calls on it. It runs a
+`TurnPlan` in the plan's order and returns a `TurnOutcome`: the tokens the decode step
+read back, the last logits of prompts whose last chunk ran, and per-request errors.
+Nothing a request does escapes `run`: a step, chunk or join that fails is that
+request's error (a failed batched forward is every row's of that batch), a failed store
+only leaves that cache out. On a sharded target the ranks agree after the turn's stores
+and joins, which may fail on one rank alone (memory), so every rank undoes the same ones
+(a failed store anywhere empties every rank's prefix cache, the one undo that keeps them
+alike); a failure inside a prefill or decode forward leaves the ranks' collectives
+apart, and is raised (the engine cannot go on).
 """
 
 import logging
@@ -20,10 +23,12 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
+from mlx_lm.models.cache import make_prompt_cache
+
 from ..core.prefill import prefill_chunk
 from .batch import DecodeBatch, SoloDecode, cut_cache
 from .plan import TurnPlan
-from .prefix_cache import PrefixCache, restore
+from .prefix_cache import Hit, PrefixCache, reusable, snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +38,6 @@ class TurnOutcome:
     tokens: list = field(default_factory=list)  # (row, token) read back by the decode step
     logits: dict = field(default_factory=dict)  # handle -> (1, vocab) last prompt logits
     failed: dict = field(default_factory=dict)  # handle -> error
-    uncached: list = field(default_factory=list)  # prefix-cache keys whose store failed
     seconds: dict = field(default_factory=dict)  # handle -> time in its prefill chunks
 
 
@@ -53,6 +57,8 @@ class Executor:
         self.group = group  # a sharded target's process group
         self.sampling = sampling  # rank 0: rows are RequestStates that sample
         self.caches: dict = {}  # handle -> target cache while prefilling
+        self.checkpointed = not reusable(make_prompt_cache(model))  # snapshots needed
+        self.snapshots: dict = {}  # handle -> {prefix length: Snapshot}
         self.rows: dict = {}  # handle -> row while decoding
         self.groups: dict = {}  # handle -> its DecodeBatch or SoloDecode
         self.batch = DecodeBatch(model, group, sampling)
@@ -67,10 +73,11 @@ class Executor:
     def run(self, plan: TurnPlan, rows: Optional[Callable[[int], object]] = None) -> TurnOutcome:
         """Run one plan; `rows(handle)` gives rank 0's request state for a join."""
         outcome = TurnOutcome()
-        stored = [self._store(s, outcome) for s in plan.stores]
+        if self.prefix is not None:
+            self.prefix.merged.clear()  # a plan's restores name entries as it was decided
+        stored = [self._store(s) for s in plan.stores]
         for key in plan.drops:
-            if self.prefix is not None:
-                self.prefix.drop(key)
+            self.prefix.drop(key)
         for handle in plan.releases:
             self._release(handle)
         joined = [self._join(j, rows, outcome) for j in plan.joins]
@@ -97,25 +104,29 @@ class Executor:
 
     # target work ----------------------------------------------------------------
 
-    def _store(self, store, outcome: TurnOutcome) -> bool:
+    def _store(self, store) -> bool:
+        """Keep a request's cache for its next turn; a failure (a copy that cannot be
+        allocated) only leaves it out."""
+        handle = store.handle
+        count = store.tokens.size if store.positions is None else store.positions.size
         try:
-            self._fault("store", store.handle)
-            if store.handle in self.caches:
-                states = cut_cache(self.caches[store.handle], store.count)
+            self._fault("store", handle)
+            if handle in self.caches:
+                cache = self.caches[handle]
+                cache = cache if self.checkpointed else cut_cache(cache, count)
             else:
-                states = self.groups[store.handle].extract(self.rows[store.handle], store.count)
-            states = [(layer.keys, layer.values) for layer in states]
-            mx.eval(states)
-            self.prefix.put(store.key, states)
+                cache = self.groups[handle].extract(self.rows[handle], count)
+            checkpoints = {length: snap for length, snap in self.snapshots.get(handle, {}).items()
+                           if length <= store.tokens.size}
+            self.prefix.store(store.tokens, cache, store.positions, checkpoints, store.keep)
             return True
-        except Exception as error:  # this entry is not kept; the request is unaffected
-            logger.warning("prefix-cache store of request #%d failed: %r", store.handle, error)
-            self.prefix.drop(store.key)
-            outcome.uncached.append(store.key)
+        except Exception as error:
+            logger.warning("prefix-cache store of request #%d failed: %r", handle, error)
             return False
 
     def _release(self, handle: int) -> None:
         self.caches.pop(handle, None)
+        self.snapshots.pop(handle, None)
         row = self.rows.pop(handle, None)
         group = self.groups.pop(handle, None)
         if group is not None:
@@ -146,10 +157,8 @@ class Executor:
         them: a row must be in every rank's batch or in none."""
         local = np.array([not ok for ok in stored + joined], dtype=np.int32)
         anywhere = np.array(mx.distributed.all_sum(mx.array(local), group=self.group)) > 0
-        for store, failed, ok in zip(plan.stores, anywhere[: len(stored)], stored):
-            if failed and ok:
-                self.prefix.drop(store.key)
-                outcome.uncached.append(store.key)
+        if anywhere[: len(stored)].any():
+            self.prefix.clear()
         for join, failed, ok in zip(plan.joins, anywhere[len(stored):], joined):
             if failed and ok:
                 self._release(join.handle)
@@ -181,16 +190,21 @@ class Executor:
             for row, error in failed.items():
                 outcome.failed[row.handle] = error
 
-    def _restore(self, entry) -> None:
-        states = None
-        if entry.key >= 0:
-            states = self.prefix.entries[entry.key].states
-        self.caches[entry.handle] = restore(self.model, states, entry.count)
+    def _restore(self, restore) -> None:
+        hit = None
+        if restore.key >= 0:
+            key = self.prefix.resolve(restore.key)
+            hit = Hit(self.prefix.entries[key], restore.cut, restore.cut)
+            self.prefix.touch(key)
+        self.caches[restore.handle], _ = PrefixCache.restore(self.model, hit, restore.cut)
 
     def _chunk(self, chunk, outcome: TurnOutcome) -> None:
         started = time.perf_counter()
-        logits = prefill_chunk(self.model, mx.array(chunk.tokens), self.caches[chunk.handle],
-                               chunk.positions, want_logits=chunk.last)
+        cache = self.caches[chunk.handle]
+        logits = prefill_chunk(self.model, mx.array(chunk.tokens), cache, chunk.positions,
+                               want_logits=chunk.last)
+        if chunk.checkpoint and self.checkpointed:
+            self.snapshots.setdefault(chunk.handle, {})[chunk.checkpoint] = snapshot(cache)
         seconds = outcome.seconds.get(chunk.handle, 0.0) + time.perf_counter() - started
         outcome.seconds[chunk.handle] = seconds
         if chunk.last:
@@ -202,6 +216,7 @@ class Executor:
 
     def clear(self) -> None:
         self.caches.clear()
+        self.snapshots.clear()
         self.rows.clear()
         self.groups.clear()
         self.batch = DecodeBatch(self.model, self.group, self.sampling)

@@ -20,21 +20,23 @@ import numpy as np
 
 @dataclass
 class Store:
-    """Keep a request's cache (its first `count` entries) as prefix-cache entry `key`."""
+    """Keep a request's cache for `tokens` (its prompt and the reply fed so far): every
+    position, or with `positions` the kept ones; with the checkpoints taken on the way."""
 
     handle: int
-    key: int
-    count: int
+    tokens: np.ndarray
+    positions: Optional[np.ndarray] = None
+    keep: float = 1.0  # the share its selection kept (1.0: dense)
 
 
 @dataclass
 class Restore:
-    """Start a request's target cache: empty (key -1), or the first `count` entries of
-    prefix-cache entry `key`."""
+    """Start a request's target cache: empty (key -1), or prefix-cache entry `key`'s
+    entries before position `cut` (a restorable cut: `Entry.restorable`)."""
 
     handle: int
     key: int = -1
-    count: int = 0
+    cut: int = 0
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Chunk:
     tokens: np.ndarray
     positions: Optional[np.ndarray] = None
     last: bool = False
+    checkpoint: int = 0  # > 0: snapshot the cache after it, as the prefix of this length
 
 
 @dataclass
@@ -63,7 +66,7 @@ class Join:
 @dataclass
 class TurnPlan:
     stores: list = field(default_factory=list)
-    drops: list = field(default_factory=list)  # prefix-cache keys to forget
+    drops: list = field(default_factory=list)  # prefix-cache keys to forget (the budget)
     releases: list = field(default_factory=list)  # handles whose target work ends
     joins: list = field(default_factory=list)
     decode: bool = False
@@ -79,12 +82,20 @@ class TurnPlan:
 # encoding for the broadcast: one int32 array, an op code then its fields ------------
 
 _STORE, _DROP, _RELEASE, _JOIN, _DECODE, _RESTORE, _CHUNK, _SHUTDOWN = range(1, 9)
+KEEP_SCALE = 1_000_000  # keep travels as an integer share
+
+
+def _array(values: list, i: int, n: int, dtype) -> np.ndarray:
+    return np.asarray(values[i : i + n], dtype=dtype)
 
 
 def encode(plan: TurnPlan) -> np.ndarray:
     out: list = []
     for store in plan.stores:
-        out += [_STORE, store.handle, store.key, store.count]
+        positions = [] if store.positions is None else store.positions.tolist()
+        out += [_STORE, store.handle, round(store.keep * KEEP_SCALE), store.tokens.size,
+                len(positions), int(store.positions is not None), *store.tokens.tolist(),
+                *positions]
     for key in plan.drops:
         out += [_DROP, key]
     for handle in plan.releases:
@@ -94,11 +105,11 @@ def encode(plan: TurnPlan) -> np.ndarray:
     if plan.decode:
         out += [_DECODE]
     for restore in plan.restores:
-        out += [_RESTORE, restore.handle, restore.key, restore.count]
+        out += [_RESTORE, restore.handle, restore.key, restore.cut]
     for chunk in plan.chunks:
         n = int(chunk.tokens.size)
         flags = int(chunk.last) | int(chunk.positions is not None) << 1
-        out += [_CHUNK, chunk.handle, flags, n, *chunk.tokens.tolist()]
+        out += [_CHUNK, chunk.handle, flags, chunk.checkpoint, n, *chunk.tokens.tolist()]
         if chunk.positions is not None:
             out += chunk.positions.tolist()
     if plan.shutdown:
@@ -111,8 +122,12 @@ def decode(values: np.ndarray) -> TurnPlan:
     while i < len(values):
         op = values[i]
         if op == _STORE:
-            plan.stores.append(Store(*values[i + 1 : i + 4]))
-            i += 4
+            handle, keep, n, m, has_positions = values[i + 1 : i + 6]
+            i += 6
+            tokens = _array(values, i, n, np.int32)
+            positions = _array(values, i + n, m, np.int64) if has_positions else None
+            plan.stores.append(Store(handle, tokens, positions, keep / KEEP_SCALE))
+            i += n + m
         elif op == _DROP:
             plan.drops.append(values[i + 1])
             i += 2
@@ -130,15 +145,15 @@ def decode(values: np.ndarray) -> TurnPlan:
             plan.restores.append(Restore(*values[i + 1 : i + 4]))
             i += 4
         elif op == _CHUNK:
-            handle, flags, n = values[i + 1 : i + 4]
-            i += 4
-            tokens = np.asarray(values[i : i + n], dtype=np.int32)
+            handle, flags, checkpoint, n = values[i + 1 : i + 5]
+            i += 5
+            tokens = _array(values, i, n, np.int32)
             i += n
             positions = None
             if flags & 2:
-                positions = np.asarray(values[i : i + n], dtype=np.int64)
+                positions = _array(values, i, n, np.int64)
                 i += n
-            plan.chunks.append(Chunk(handle, tokens, positions, bool(flags & 1)))
+            plan.chunks.append(Chunk(handle, tokens, positions, bool(flags & 1), checkpoint))
         elif op == _SHUTDOWN:
             plan.shutdown = True
             i += 1

@@ -11,8 +11,8 @@ Across an agent's turns (see README, "Agent turns"):
   tokens through the draft (importance still covers every token);
 - selection always runs over the whole prompt, on an absolute chunk grid, with the
   chat template's protected tokens; a dense prefix-cache hit is reused only up to the
-  first token the selection drops, cut to the prefill chunk grid, so the kept set and
-  the computed KV are those of a fresh engine: the answer does not depend on history;
+  first token the selection drops, so the kept set is that of a fresh engine (and the
+  KV too, up to float rounding: continuing from a prefix ends chunks elsewhere);
 - a stored SpecPrefill cache (kept prompt entries and reply, with their positions) is
   reused for the shared prefix when its selection kept at least this request's `keep`
   and the new importance says it still covers what matters there (`reuse_coverage`);
@@ -30,11 +30,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import UnsupportedModelError, select_chunks
 from ..core.adapters import check_sparse_prefill_supported
-from ..core.prefill import chunk_cost, chunk_plan, grid_cut, prefill_weight
+from ..core.prefill import chunk_cost, chunk_plan, prefill_weight
+from ..core.scoring import capture_start
 from ..core.sparse_prefill import cover_sliding_window
 from .plan import Restore
 from .policy import expected_kept, predict
-from .prefix_cache import Hit, PrefixCache, restore
+from .prefix_cache import Hit, PrefixCache
 from .runtime import Runtime
 from .state import PREFILLING, SCORING, RequestState
 
@@ -62,9 +63,9 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple
     floor = config.chunk_size + config.tail_tokens
     if state.specprefill is None:
         floor = max(floor, state.threshold)
-    if dense_hit is not None and length - dense_hit.shared < floor:  # not worth the draft
-        return False, (f"only {length - dense_hit.shared} tokens to prefill after a cached "
-                       f"prefix of {dense_hit.shared}: too few to sparsify (< {floor}); "
+    if dense_hit is not None and length - dense_hit.cut < floor:  # not worth the draft
+        return False, (f"only {length - dense_hit.cut} tokens to prefill after a cached "
+                       f"prefix of {dense_hit.cut}: too few to sparsify (< {floor}); "
                        "dense, not scored")
     if state.specprefill:
         return True, "requested"
@@ -72,8 +73,8 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple
         return False, f"prompt below threshold ({length} < {state.threshold} tokens)"
     draft_hit = caches.draft.find(state.tokens) if caches.draft else None
     kept = expected_kept(length, state.keep, state.protected, config.chunk_size, config.tail_tokens)
-    prediction = predict(runtime.costs, length, dense_hit.shared if dense_hit else 0,
-                         draft_hit.shared if draft_hit else 0, kept)
+    prediction = predict(runtime.costs, length, dense_hit.cut if dense_hit else 0,
+                         draft_hit.cut if draft_hit else 0, kept)
     state.report.predicted_dense_s = prediction.dense_s
     state.report.predicted_specprefill_s = prediction.specprefill_s
     if not prediction.pays(config.specprefill_margin):
@@ -81,12 +82,12 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple
     return True, f"policy: {prediction.describe()}"
 
 
-def _set_feed(state: RequestState, runtime: Runtime, hit: Optional[Hit], count: int,
+def _set_feed(state: RequestState, runtime: Runtime, hit: Optional[Hit], cut: int,
               feed: np.ndarray, positions: Optional[np.ndarray]) -> None:
-    """What the target computes: `feed` after the first `count` entries of `hit`."""
-    state.restore = Restore(state.handle, hit.entry.key if hit and count else -1,
-                            count if hit else 0)
-    state.cached = state.restore.count
+    """What the target computes: `feed` after `hit`'s entries before position `cut`."""
+    used = hit is not None and cut > 0
+    state.restore = Restore(state.handle, hit.entry.key if used else -1, cut if used else 0)
+    state.cached = hit.entry.count_before(cut) if used else 0
     state.feed, state.feed_positions, state.fed = feed, positions, 0
     weight = prefill_weight(runtime.model)
     state.chunk_ends = chunk_plan(int(feed.size), state.cached, runtime.config.step_size, weight)
@@ -95,11 +96,12 @@ def _set_feed(state: RequestState, runtime: Runtime, hit: Optional[Hit], count: 
 
 
 def plan_dense(state: RequestState, runtime: Runtime, target: Optional[PrefixCache]) -> None:
+    """From the longest prefix a cached entry can be restored at (exactly the shared
+    prefix on a plain model; a checkpoint at or before it on a hybrid or sliding-window
+    one)."""
     hit = target.find(state.tokens, dense_only=True) if target is not None else None
-    cut = 0
-    if hit is not None:
-        cut = grid_cut(hit.shared, runtime.config.step_size, prefill_weight(runtime.model))
-    state.report.reuse = f"dense prefix of {cut} tokens" if cut else "none"
+    cut = hit.cut if hit is not None else 0
+    state.report.reuse = f"dense {hit.describe(cut)}" if cut else "none"
     state.positions = None
     _set_feed(state, runtime, hit, cut, state.tokens[cut:], None)
 
@@ -108,8 +110,13 @@ def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixC
     """Score the whole prompt, reusing the draft's prefix cache; one unit per turn."""
     check_sparse_prefill_supported(runtime.model)  # before spending the draft's time
     hit = draft.find(state.tokens) if draft is not None else None
-    cut = grid_cut(hit.shared, runtime.config.draft_step_size, 0.0) if hit is not None else 0
-    cache = restore(runtime.scorer.model, hit.entry.states if hit else None, cut)
+    cut = 0
+    if hit is not None:  # no further than the forward that captures the queries starts
+        limit = capture_start(state.tokens.size, runtime.config.draft_step_size,
+                              runtime.scorer.n_window)
+        cut = hit.entry.restorable(min(hit.shared, limit))
+        draft.touch(hit.entry.key)
+    cache, _ = PrefixCache.restore(runtime.scorer.model, hit, cut)
     state.usage.draft_cached_tokens = cut
     state.scoring = runtime.scorer.score_steps(mx.array(state.tokens), cache)
     state.scoring_cache = cache
@@ -130,8 +137,10 @@ def score_unit(state: RequestState, runtime: Runtime,
         raise RuntimeError("scoring went on past its last unit")
     state.scoring = None
     cache, state.scoring_cache = state.scoring_cache, None
-    if draft is not None:
+    if draft is not None:  # the draft's cache is rank 0's alone: its budget is kept here
         draft.store(state.tokens, cache)
+        for key in draft.evictions():
+            draft.drop(key)
     return importance
 
 
@@ -164,7 +173,7 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
 
     # what can be reused: a dense prefix up to the first dropped token, or a stored
     # sparse cache whose selection kept as much and still covers the shared prefix
-    target, step = caches.target, config.step_size
+    target = caches.target
     cut, before, reuse, hit = 0, np.zeros(0, np.int64), "none", None
     if target is not None:
         dense_hit = target.find(tokens, dense_only=True)
@@ -173,13 +182,13 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
             # is the first dropped position
             dropped = np.flatnonzero(selected != np.arange(selected.size))
             first_dropped = int(dropped[0]) if dropped.size else int(selected.size)
-            cut = grid_cut(min(dense_hit.shared, first_dropped), step, prefill_weight(runtime.model))
+            cut = dense_hit.entry.restorable(min(dense_hit.cut, first_dropped))
             hit, before = dense_hit, np.arange(cut)
-            reuse = f"dense prefix of {cut} tokens" if cut else "none"
+            reuse = f"dense {dense_hit.describe(cut)}" if cut else "none"
         sparse_hit = target.find(tokens)
         entry = sparse_hit.entry if sparse_hit is not None else None
-        if entry is not None and entry.positions is not None and sparse_hit.shared > cut:
-            shared = sparse_hit.shared
+        if entry is not None and entry.positions is not None and sparse_hit.cut > cut:
+            shared = sparse_hit.cut
             held = entry.positions[entry.positions < shared]
             if entry.keep < report.keep:
                 reuse = (f"selected anew: a stored selection kept {entry.keep} of the prompt, "
@@ -188,7 +197,7 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
                 coverage = _coverage(importance, selected[selected < shared], held)
                 if coverage >= config.reuse_coverage:
                     cut, hit, before = shared, sparse_hit, held
-                    reuse = (f"sparse prefix of {shared} tokens ({held.size} entries), "
+                    reuse = (f"sparse {sparse_hit.describe(shared)}, "
                              f"coverage {coverage:.2f} >= {config.reuse_coverage}")
                 else:
                     reuse = (f"selected anew: a stored selection covers {coverage:.2f} of the "
@@ -199,8 +208,7 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
     report.kept_tokens = int(positions.size)
     report.selection_digest = hashlib.sha1(positions.astype(np.int64).tobytes()).hexdigest()[:16]
     state.positions = None if np.array_equal(positions, np.arange(length)) else positions
-    count = hit.entry.count_before(cut) if hit is not None else 0
-    _set_feed(state, runtime, hit, count, tokens[kept_new], kept_new)
+    _set_feed(state, runtime, hit, cut, tokens[kept_new], kept_new)
 
 
 def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixCaches,

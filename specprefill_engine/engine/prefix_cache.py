@@ -1,12 +1,28 @@
-"""An LRU cache of KV prefixes, bounded in bytes, that knows each entry's positions.
+"""An LRU cache of prompt prefixes for any mlx-lm cache, bounded in bytes.
 
 An agent calls the model again and again with one growing prompt, so the previous
-turn's KV (prompt and reply) can be reused and only what is new prefilled. An entry
-holds the KV of a token sequence: every position (dense), or only the positions a
-SpecPrefill request kept (sparse), each entry at its original position. A lookup
-finds the entry sharing the longest prefix with the new prompt and hands back a
-cache holding the entries before a cut the caller chooses, and their positions.
-The same class serves the target and the draft.
+turn's cache (prompt and reply) can be reused and only what is new prefilled. An
+entry stands for a token sequence and holds the cache entries it was fed: every
+position (dense) or only those a SpecPrefill request kept (sparse, each entry at its
+original position, listed in `positions`).
+
+Plain `KVCache` layers are stored once and cut to any prefix at lookup. Every other
+layer (conv/SSM states, sliding windows, `CacheList`, ...) cannot be cut, so it is
+kept as checkpoints: its state at chosen prefix lengths, where a checkpoint at L is
+the state after every entry at a position < L was fed and nothing else. A snapshot
+holds references to the state arrays, not copies: MLX arrays are values, a cache's
+later writes make new arrays (copying a buffer only while a snapshot still holds it).
+Snapshots are rebuilt through mlx-lm's own `state` / `from_state`, as its
+`save_prompt_cache` / `load_prompt_cache` do, so every cache class is served alike.
+Stored KV is held as given, views included: a caller storing part of a live buffer it
+will go on writing (a batch's) hands in a copy. The same class serves the target and
+the draft.
+
+Every decision is a function of the calls made, never of the rank: a sharded engine's
+ranks make the same calls (`store`, `touch`, `drop`, `clear`; `find` changes nothing)
+and hold the same entries under the same keys. `store` never evicts: the budget is kept
+by dropping `evictions()`, which rank 0 decides with the entries a planned restore
+still needs pinned, and every rank drops.
 """
 
 from collections import OrderedDict
@@ -15,22 +31,83 @@ from typing import Optional
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+MAX_CHECKPOINTS = 16  # per entry; the longest are kept, the ones a next turn can use
+
+
+def cuttable(layer) -> bool:
+    """A plain KV cache can be cut to any prefix; other layers need checkpoints."""
+    return type(layer) is KVCache
 
 
 def reusable(cache: list) -> bool:
-    """Only plain KV caches can be cut to an arbitrary prefix."""
-    return all(type(c) is KVCache for c in cache)
+    """Every layer can be cut at any length: a prefix of any length is reusable."""
+    return all(cuttable(c) for c in cache)
+
+
+def supported(cache: list) -> bool:
+    """Every layer can be cut or rebuilt from its `state`, so a PrefixCache serves it."""
+    return all(cuttable(c) or hasattr(c, "from_state") for c in cache)
+
+
+def prefix_cache_for(model, max_bytes: int) -> Optional["PrefixCache"]:
+    """A prefix cache for `model`, or None when it has no budget or a cache layer that
+    can neither be cut nor rebuilt."""
+    if max_bytes and supported(make_prompt_cache(model)):
+        return PrefixCache(max_bytes)
+    return None
+
+
+def _hold(tree):
+    """New handles on the same buffers (no copy): a cache's slice assignment replaces
+    the array behind its own handle, never behind these."""
+    return tree_map(lambda x: x[...] if isinstance(x, mx.array) else x, tree)
+
+
+def _nbytes(tree) -> int:
+    return sum(x.nbytes for _, x in tree_flatten(tree) if isinstance(x, mx.array))
+
+
+def _fed(cache: list) -> Optional[int]:
+    """How many entries the cache has taken (None when no layer counts them)."""
+    return next((c.offset for c in cache if isinstance(getattr(c, "offset", None), int)), None)
+
+
+@dataclass
+class Snapshot:
+    """The layers that cannot be cut, as they stood when it was taken."""
+
+    layers: dict  # layer index -> (cache class, held state)
+    fed: Optional[int]  # entries the cache had taken
+    nbytes: int
+
+
+def _states(checkpoints: dict) -> list:
+    return [state for s in checkpoints.values() for _, state in s.layers.values()]
+
+
+def snapshot(cache: list) -> Snapshot:
+    """The cache's uncuttable layers now, by reference: cheap enough to take at every
+    point a later prompt may share (each chat message's end, the prompt's end)."""
+    layers = {i: (type(c), _hold(c.state)) for i, c in enumerate(cache) if not cuttable(c)}
+    return Snapshot(layers, _fed(cache), _nbytes(list(layers.values())))
 
 
 @dataclass
 class Entry:
     tokens: np.ndarray  # the token sequence the entry stands for
-    positions: Optional[np.ndarray]  # each stored KV entry's position; None: 0..len-1
-    states: list  # per layer (keys, values), positions along axis 2
-    nbytes: int
-    key: int = -1  # names the entry in turn plans (and on the other ranks)
+    positions: Optional[np.ndarray]  # each stored entry's position; None: 0..len-1
+    kv: list  # per layer: (keys, values) of every stored entry, or None (checkpointed)
+    checkpoints: dict  # prefix length -> Snapshot, ascending
+    key: int  # names the entry in turn plans
+    nbytes: int = 0
     keep: float = 1.0  # the share of the prompt its selection kept (1.0: dense)
+
+    @property
+    def count(self) -> int:
+        return self.tokens.size if self.positions is None else self.positions.size
 
     def dense_length(self) -> int:
         """How many leading positions are all present."""
@@ -44,102 +121,226 @@ class Entry:
             return min(position, self.tokens.size)
         return int(np.searchsorted(self.positions, position))
 
+    @property
+    def cuts_anywhere(self) -> bool:
+        return all(layer is not None for layer in self.kv)
+
+    def restorable(self, limit: int) -> int:
+        """The longest prefix of at most `limit` tokens a restore can start from."""
+        limit = min(limit, self.tokens.size)
+        if self.cuts_anywhere:
+            return max(limit, 0)
+        return max((length for length in self.checkpoints if length <= limit), default=0)
+
+    def _size(self) -> int:
+        return _nbytes(self.kv) + sum(s.nbytes for s in self.checkpoints.values())
+
 
 @dataclass
 class Hit:
-    """The entry sharing the longest prefix with a prompt; `shared` tokens agree."""
+    """The entry with the longest restorable prefix of a prompt: `shared` tokens agree,
+    a restore can start at `cut` <= shared."""
 
     entry: Entry
     shared: int
+    cut: int
+
+    def describe(self, cut: Optional[int] = None) -> str:
+        """What a restore at `cut` (default: the hit's) reuses, for the report."""
+        cut = self.cut if cut is None else cut
+        if cut <= 0:
+            return "none"
+        entry = self.entry
+        if entry.cuts_anywhere:
+            text = f"prefix of {cut} tokens" if cut == self.shared else \
+                f"prefix of {cut} of {self.shared} shared tokens"
+        else:
+            text = f"checkpoint at {cut} of {self.shared} shared tokens"
+        if entry.positions is not None:
+            text += f" ({entry.count_before(cut)} entries)"
+        return text
+
+
+def _extends(long: Entry, short: Entry) -> bool:
+    """`long` was fed `short`'s entries first and no other entry before short's end,
+    so each of short's checkpoints holds for long."""
+    n = short.tokens.size
+    if long.tokens.size < n or not np.array_equal(long.tokens[:n], short.tokens):
+        return False
+    if long.positions is None and short.positions is None:
+        return True
+    count = short.count
+    if long.count_before(n) != count:
+        return False
+    held = long.positions[:count] if long.positions is not None else np.arange(count)
+    want = short.positions if short.positions is not None else np.arange(count)
+    return bool(np.array_equal(held, want))
+
+
+def _validated(tokens: np.ndarray, positions: Optional[np.ndarray], checkpoints: dict,
+               cache: list) -> None:
+    if positions is not None:
+        if positions.ndim != 1 or positions.size > tokens.size or (positions.size and (
+                positions[0] < 0 or positions[-1] >= tokens.size
+                or np.any(np.diff(positions) <= 0))):
+            raise ValueError("positions must be increasing positions within tokens")
+    probe = Entry(tokens, positions, [], {}, -1)
+    layers = {i for i, c in enumerate(cache) if not cuttable(c)}
+    for length, snap in checkpoints.items():
+        if not 0 < length <= tokens.size:
+            raise ValueError(f"checkpoints: length {length} is outside 1..{tokens.size}")
+        if set(snap.layers) != layers:
+            raise ValueError(f"checkpoints: the snapshot at {length} is of another model's cache")
+        if snap.fed is not None and snap.fed != probe.count_before(length):
+            raise ValueError(f"checkpoints: the snapshot at {length} was taken after "
+                             f"{snap.fed} entries, not {probe.count_before(length)}")
 
 
 class PrefixCache:
-    """The index (rank 0 decides: `find`, `admit`) and the entries' KV (every rank
-    keeps its own shard: `put`, `drop`), so a sharded engine's ranks hold the same
-    entries under the same keys."""
-
-    def __init__(self, max_bytes: int = 2 << 30):
+    def __init__(self, max_bytes: int = 2 << 30, max_checkpoints: int = MAX_CHECKPOINTS):
         self.max_bytes = max_bytes
+        self.max_checkpoints = max_checkpoints
         self.entries: "OrderedDict[int, Entry]" = OrderedDict()
         self.total_bytes = 0
         self._next_key = 0
-        self.dropped: list[int] = []  # keys dropped by `admit`, for the plan to pass on
+        self.merged: dict[int, int] = {}  # key -> the key of the entry that absorbed it
 
     def find(self, tokens: np.ndarray, dense_only: bool = False) -> Optional[Hit]:
-        """The best entry for `tokens`: the longest usable shared prefix, leaving at
-        least one token to prefill so the caller gets logits. `dense_only`: count
-        only positions an entry holds without gaps (for a dense request)."""
-        best, best_length = None, 0
-        for key, entry in self.entries.items():
+        """The entry a restore for `tokens` reuses most of: the longest restorable
+        prefix of the shared one, leaving at least one token to prefill so the caller
+        gets logits. `dense_only`: count only positions an entry holds without gaps
+        (for a dense request). None when nothing is restorable."""
+        best = None
+        for entry in self.entries.values():  # oldest first: the newest wins a tie
             n = min(entry.tokens.size, tokens.size - 1)
             if dense_only:
                 n = min(n, entry.dense_length())
-            if n <= best_length:
+            if n <= 0 or (best is not None and entry.restorable(n) < best.cut):
                 continue
             mismatch = np.flatnonzero(entry.tokens[:n] != tokens[:n])
-            length = int(mismatch[0]) if mismatch.size else n
-            if length > best_length:
-                best, best_length = key, length
-        if best is None:
-            return None
-        self.entries.move_to_end(best)
-        return Hit(self.entries[best], best_length)
+            shared = int(mismatch[0]) if mismatch.size else n
+            cut = entry.restorable(shared)
+            if cut > 0 and (best is None or cut >= best.cut):
+                best = Hit(entry, shared, cut)
+        return best
 
-    def admit(self, tokens: np.ndarray, nbytes: int, positions: Optional[np.ndarray] = None,
-              keep: float = 1.0) -> Optional[int]:
-        """Make room for an entry of `nbytes` (its KV comes with `put`); its key, or
-        None when it is over the budget. Entries it makes redundant or evicts are
-        dropped and their keys added to `dropped`."""
-        if nbytes > self.max_bytes or tokens.size == 0:
-            return None
-        for key, entry in list(self.entries.items()):
-            if entry.tokens.size <= tokens.size and entry.positions is None and \
-                    positions is None and np.array_equal(entry.tokens, tokens[: entry.tokens.size]):
-                self.drop(key)  # the new dense entry covers this one
-        key = self._next_key
-        self._next_key += 1
-        self.entries[key] = Entry(tokens.copy(), positions, [], nbytes, key, keep)
-        self.total_bytes += nbytes
-        while self.total_bytes > self.max_bytes:
-            self.drop(next(iter(self.entries)))
+    def resolve(self, key: int) -> int:
+        """The key an entry now lives under (a newer entry may have absorbed it)."""
+        while key in self.merged:
+            key = self.merged[key]
         return key
 
-    def put(self, key: int, states: list) -> None:
-        """The KV of an admitted entry (on a rank > 0: of an entry rank 0 admitted)."""
-        entry = self.entries.get(key)
-        if entry is None:
-            entry = self.entries[key] = Entry(np.zeros(0, np.int32), None, states,
-                                              sum(k.nbytes + v.nbytes for k, v in states), key)
-        entry.states = states
+    def touch(self, key: int) -> None:
+        """An entry was used: it is the last to be evicted."""
+        self.entries.move_to_end(key)
+
+    @staticmethod
+    def restore(model, hit: Optional[Hit], cut: int) -> tuple[list, Optional[np.ndarray]]:
+        """A fresh cache holding the hit's entries at positions < cut, and those
+        positions (None when they are exactly 0..cut-1). `cut` must be restorable
+        (`hit.cut`, or `hit.entry.restorable(limit)` for a shorter one)."""
+        cache = make_prompt_cache(model)
+        if hit is None or cut <= 0:
+            return cache, None
+        entry = hit.entry
+        if entry.restorable(cut) != cut:
+            raise ValueError(f"cut {cut} is not restorable from this entry (the longest "
+                             f"at or before it is {entry.restorable(cut)})")
+        count = entry.count_before(cut)
+        for i, layer in enumerate(entry.kv):
+            if layer is None:
+                kind, state = entry.checkpoints[cut].layers[i]
+                cache[i] = kind.from_state(_hold(state))
+            elif count:
+                keys, values = layer
+                cache[i].keys, cache[i].values = keys[..., :count, :], values[..., :count, :]
+                cache[i].offset = count
+        positions = None if entry.positions is None else entry.positions[:count]
+        if positions is not None and np.array_equal(positions, np.arange(count)):
+            positions = None
+        return cache, positions
+
+    def store(self, tokens: np.ndarray, cache: list, positions: Optional[np.ndarray] = None,
+              checkpoints: Optional[dict] = None, keep: float = 1.0) -> Optional[int]:
+        """Keep a cache that was fed all of `tokens` (dense) or, with `positions`, one
+        entry per listed position, plus `checkpoints` ({prefix length: snapshot}) taken
+        on the way; the cache's own state is the checkpoint at len(tokens). An entry
+        this one extends is merged into it (its checkpoints move over); one that
+        extends this one takes this one's checkpoints instead. The size is known
+        before anything is copied, so an entry over the budget is refused. Returns the
+        key of the entry that now holds the tokens, None when refused."""
+        tokens = np.array(tokens)
+        positions = None if positions is None else np.array(positions)
+        checkpoints = dict(checkpoints or {})
+        _validated(tokens, positions, checkpoints, cache)
+        new = Entry(tokens, positions, [], {}, -1, keep=keep)
+        count, fed = new.count, _fed(cache)
+        if count == 0 or any(c.offset < count for c in cache if cuttable(c)):
+            return None
+        if reusable(cache):
+            checkpoints = {}  # any length can be cut
+        elif fed is None or fed == count:
+            checkpoints[tokens.size] = snapshot(cache)
+        elif not checkpoints:
+            return None  # fed past the tokens and nothing to restore from
+        new.kv = [(c.keys[..., :count, :], c.values[..., :count, :]) if cuttable(c) else None
+                  for c in cache]
+
+        for old in reversed(self.entries.values()):  # newest first
+            if _extends(old, new):  # already held: only the checkpoints are new
+                return self._add_checkpoints(old, checkpoints)
+        absorbed = [old for old in self.entries.values() if _extends(new, old)]
+        for old in absorbed:
+            checkpoints = {**old.checkpoints, **checkpoints}
+        new.checkpoints = self._bounded(checkpoints)
+        new.nbytes = new._size()
+        if new.nbytes > self.max_bytes:
+            return None
+        mx.eval(new.kv, _states(new.checkpoints))  # a failed copy fails here, changing nothing
+        new.key = self._next_key
+        self._next_key += 1
+        for old in absorbed:
+            self.drop(old.key)
+            self.merged[old.key] = new.key
+        self.entries[new.key] = new
+        self.total_bytes += new.nbytes
+        return new.key
+
+    def _bounded(self, checkpoints: dict) -> dict:
+        lengths = sorted(checkpoints)[-self.max_checkpoints:]
+        return {length: checkpoints[length] for length in lengths}
+
+    def _add_checkpoints(self, entry: Entry, checkpoints: dict) -> Optional[int]:
+        merged = self._bounded({**checkpoints, **entry.checkpoints})
+        size = entry.nbytes - sum(s.nbytes for s in entry.checkpoints.values()) + \
+            sum(s.nbytes for s in merged.values())
+        if size > self.max_bytes:
+            return None
+        mx.eval(_states(merged))
+        entry.checkpoints = merged
+        self.total_bytes += size - entry.nbytes
+        entry.nbytes = size
+        self.entries.move_to_end(entry.key)
+        return entry.key
+
+    def evictions(self, pinned=()) -> list[int]:
+        """The least recently used entries to drop to be within the budget again,
+        never one in `pinned`."""
+        excess, keys = self.total_bytes - self.max_bytes, []
+        for key, entry in self.entries.items():
+            if excess <= 0:
+                break
+            if key not in pinned:
+                keys.append(key)
+                excess -= entry.nbytes
+        return keys
 
     def drop(self, key: int) -> None:
-        entry = self.entries.pop(key, None)
+        entry = self.entries.pop(key, None)  # already merged into a newer one: nothing to do
         if entry is not None:
             self.total_bytes -= entry.nbytes
-            self.dropped.append(key)
-
-    def store(self, tokens: np.ndarray, cache: list) -> Optional[int]:
-        """Admit and keep the first len(tokens) entries of a dense cache at once (the
-        draft's cache, which lives on rank 0 alone)."""
-        if not reusable(cache) or any(c.offset < tokens.size for c in cache):
-            return None
-        states = [(c.keys[..., : tokens.size, :], c.values[..., : tokens.size, :]) for c in cache]
-        key = self.admit(tokens, sum(k.nbytes + v.nbytes for k, v in states))
-        if key is not None:
-            self.put(key, states)
-        return key
 
     def clear(self) -> None:
         self.entries.clear()
+        self.merged.clear()
         self.total_bytes = 0
-
-
-def restore(model, states: Optional[list], count: int) -> list:
-    """A fresh cache holding the first `count` entries of an entry's KV."""
-    cache = make_prompt_cache(model)
-    if states is None or count <= 0:
-        return cache
-    for layer, (keys, values) in zip(cache, states):
-        layer.keys, layer.values = keys[..., :count, :], values[..., :count, :]
-        layer.offset = count
-    return cache

@@ -37,7 +37,6 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
 from ..core.sparse_prefill import decode_shift
 from .batch import sample_rows
@@ -48,7 +47,7 @@ from .plan import Chunk, Join, Store, TurnPlan
 from .prefill import (
     PrefixCaches, begin, fall_back_to_dense, plan_sparse, score_unit, short_prefill_share,
 )
-from .prefix_cache import PrefixCache, reusable
+from .prefix_cache import PrefixCache, prefix_cache_for
 from .results import Progress
 from .runtime import EngineInfo, Runtime
 from .state import DECODING, ENDED, SCORING, RequestState
@@ -67,15 +66,13 @@ class RequestFailedError(RuntimeError):
 
 
 def make_prefix_caches(runtime: Runtime) -> PrefixCaches:
-    """Prefix caches for the models whose caches can be cut to any prefix."""
-    config, caches = runtime.config, PrefixCaches()
-    if config.prefix_cache_bytes and reusable(make_prompt_cache(runtime.model)):
-        caches.target = PrefixCache(config.prefix_cache_bytes)
+    """The target's prefix cache (every rank keeps one alike) and the draft's (rank 0)."""
+    config = runtime.config
     scorer_model = getattr(runtime.scorer, "model", None)
-    if config.draft_prefix_cache_bytes and scorer_model is not None \
-            and reusable(make_prompt_cache(scorer_model)):
-        caches.draft = PrefixCache(config.draft_prefix_cache_bytes)
-    return caches
+    draft = None
+    if scorer_model is not None:
+        draft = prefix_cache_for(scorer_model, config.draft_prefix_cache_bytes)
+    return PrefixCaches(prefix_cache_for(runtime.model, config.prefix_cache_bytes), draft)
 
 
 class Scheduler:
@@ -176,12 +173,15 @@ class Scheduler:
             return False
         self._end_aborted()
         plan = TurnPlan()
-        self._plan_endings(plan, runtime, caches.target)
+        self._plan_endings(plan, caches.target)
         self._plan_joins(plan, runtime, caches.target)
         plan.decode = bool(self._decoding)
         scoring = self._plan_prefill(plan, runtime, caches)
         if caches.target is not None:
-            plan.drops, caches.target.dropped = caches.target.dropped, []
+            pinned = {r.key for r in plan.restores}
+            if self._prefilling is not None and self._prefilling.restore is not None:
+                pinned.add(self._prefilling.restore.key)  # restored in a later turn
+            plan.drops = caches.target.evictions(pinned)
         if plan:
             if runtime.channel is not None:
                 runtime.channel.post(plan)
@@ -226,13 +226,12 @@ class Scheduler:
 
     # planning ------------------------------------------------------------------
 
-    def _plan_endings(self, plan: TurnPlan, runtime: Runtime,
-                      target: Optional[PrefixCache]) -> None:
+    def _plan_endings(self, plan: TurnPlan, target: Optional[PrefixCache]) -> None:
         """Requests that ended: their cache kept for an agent's next turn (prompt and
         reply), then their target work released."""
         for state, replied in self._leaving:
             if replied is not None and target is not None:
-                self._plan_store(plan, state, runtime, target, replied)
+                self._plan_store(plan, state, replied)
             plan.releases.append(state.handle)
         self._leaving.clear()
 
@@ -244,23 +243,21 @@ class Scheduler:
             return 0
         return len(state.generated) - (0 if state.report.batched else 1)
 
-    def _plan_store(self, plan: TurnPlan, state: RequestState, runtime: Runtime,
-                    target: PrefixCache, replied: int) -> None:
+    @staticmethod
+    def _plan_store(plan: TurnPlan, state: RequestState, replied: int) -> None:
+        """Keep the request's cache: its prompt and the first `replied` tokens of its reply."""
         tokens = np.concatenate([state.tokens, np.asarray(state.generated[:replied], np.int32)])
         positions = state.positions
         if positions is not None:
             positions = np.concatenate([positions, state.tokens.size + np.arange(replied)])
-        count = state.entries + replied
         keep = state.report.keep if state.positions is not None else 1.0
-        key = target.admit(tokens, count * runtime.kv_bytes_per_token, positions, keep)
-        if key is not None:
-            plan.stores.append(Store(state.handle, key, count))
+        plan.stores.append(Store(state.handle, tokens, positions, keep))
 
     def _plan_joins(self, plan: TurnPlan, runtime: Runtime,
                     target: Optional[PrefixCache]) -> None:
         for state in self._joining:
             if state.cache_prompt and target is not None and state.positions is None:
-                self._plan_store(plan, state, runtime, target, replied=0)  # the prompt's KV
+                self._plan_store(plan, state, replied=0)  # the prompt's KV
             plan.joins.append(Join(state.handle, state.first_token, state.shift,
                                    solo=bool(runtime.batch_reason)))
 
@@ -300,10 +297,10 @@ class Scheduler:
             plan.restores.append(state.restore)
         while True:
             end, pause = next((e, p) for e, p in state.chunk_ends if e > state.fed)
-            positions = state.feed_positions
+            positions, last = state.feed_positions, end == state.feed.size
             plan.chunks.append(Chunk(state.handle, state.feed[state.fed:end],
                                      None if positions is None else positions[state.fed:end],
-                                     last=end == state.feed.size))
+                                     last=last, checkpoint=int(state.tokens.size) if last else 0))
             state.fed = end
             if end == state.feed.size:
                 self._prefilling = None
