@@ -15,7 +15,7 @@ from typing import Callable, Generator, Optional, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from .adapters import AttentionSite, UnsupportedModelError, attention_sites, sees_whole_prompt
 from .positions import positioned_rope
@@ -176,8 +176,10 @@ def score_steps(
 
     `cache`, when given, is the draft's cache to use: it may already hold the KV of a
     prefix of `tokens` (a draft prefix-cache hit; it is cut back to the last full
-    prefill chunk if it holds more), and afterwards holds the whole prompt's KV in
-    its first len(tokens) entries (lookahead entries follow), for the caller to keep.
+    prefill chunk if it holds more, so the importance is what a fresh draft gives; a
+    cache that cannot be cut, a hybrid draft's, is continued from where it is, which
+    rounds differently), and afterwards holds the whole prompt's KV in its first
+    len(tokens) entries (lookahead entries follow), for the caller to keep.
 
     The draft prefills the whole prompt; its last chunk's forward also captures the
     queries of the prompt's last `n_window` tokens (free: no extra forward). The last
@@ -199,10 +201,12 @@ def score_steps(
     sites = _scored_sites(draft_model, prompt_length, cache)
     n_window = min(n_window, prompt_length)
     last_start = capture_start(prompt_length, step_size, n_window)
-    cached = min(cache[sites[0].cache_index].offset, last_start)
-    for layer in cache:
-        if getattr(layer, "offset", 0) > cached:
-            layer.trim(layer.offset - cached)
+    cached = cache[sites[0].cache_index].offset
+    if cached > last_start and can_trim_prompt_cache(cache):
+        for layer in cache:  # back to the grid: the same chunks as from scratch
+            layer.trim(layer.offset - last_start)
+        cached = last_start
+    last_start = max(last_start, min(cached, prompt_length - n_window))
     plan = chunk_plan(last_start - cached, cached, step_size, 0.0)  # chunked_prefill's yields
     n_chunks = sum(pause for _, pause in plan) + 1
     done, total = 0, n_chunks + (n_lookahead - 1) + 1

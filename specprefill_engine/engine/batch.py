@@ -115,14 +115,17 @@ def batching_support(model: nn.Module) -> str:
 
 
 def cut_cache(cache: list, count: int) -> list:
-    """The first `count` entries of a row's plain KV caches, as views (no copy): a
-    later write into the live cache copies its buffer first (MLX arrays are values)."""
+    """The first `count` entries of a row's plain KV caches, as views (no copy: a later
+    write into the live cache copies its buffer first, MLX arrays being values); the
+    layers that cannot be cut as they are (they hold what the row was fed)."""
     cut = []
     for layer in cache:
-        part = KVCache()
-        part.keys, part.values = layer.keys[..., :count, :], layer.values[..., :count, :]
-        part.offset = count
-        cut.append(part)
+        if type(layer) is KVCache:
+            part = KVCache()
+            part.keys, part.values = layer.keys[..., :count, :], layer.values[..., :count, :]
+            part.offset = count
+            layer = part
+        cut.append(layer)
     return cut
 
 

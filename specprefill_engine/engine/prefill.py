@@ -31,7 +31,6 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..core import UnsupportedModelError, select_chunks
 from ..core.adapters import check_sparse_prefill_supported
 from ..core.prefill import chunk_cost, chunk_plan, prefill_weight
-from ..core.scoring import capture_start
 from ..core.sparse_prefill import cover_sliding_window
 from .plan import Restore
 from .policy import expected_kept, predict
@@ -111,10 +110,8 @@ def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixC
     check_sparse_prefill_supported(runtime.model)  # before spending the draft's time
     hit = draft.find(state.tokens) if draft is not None else None
     cut = 0
-    if hit is not None:  # no further than the forward that captures the queries starts
-        limit = capture_start(state.tokens.size, runtime.config.draft_step_size,
-                              runtime.scorer.n_window)
-        cut = hit.entry.restorable(min(hit.shared, limit))
+    if hit is not None:  # the captured window must be fed anew
+        cut = hit.entry.restorable(min(hit.cut, state.tokens.size - runtime.scorer.n_window))
         draft.touch(hit.entry.key)
     cache, _ = PrefixCache.restore(runtime.scorer.model, hit, cut)
     state.usage.draft_cached_tokens = cut

@@ -1,0 +1,92 @@
+"""Agent turns on every model family: each turn reuses the previous turn's cache, the
+target's and the draft's, dense and SpecPrefill, whatever the cache layers are.
+
+A 3-turn chat with a tool call in every reply (the template re-renders the reply, so
+the next prompt departs from the stored reply where the markup starts) on tiny random
+models with the demo tokenizer: plain attention (qwen3), GatedDeltaNet + attention
+(qwen3_next), Mamba2 + attention (nemotron_h) and sliding windows smaller than the
+prompt (gemma3). On 0945836 the three non-plain families cached nothing (0 tokens).
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from models import HYBRID_CASES, ROPE_CASES, save_with_demo_tokenizer
+from specprefill_engine import Engine
+from specprefill_engine.demo_tasks import make_case
+
+pytestmark = pytest.mark.timeout(600)
+CASES = {"qwen3": ROPE_CASES["qwen3"], "qwen3_next": HYBRID_CASES["qwen3_next"],
+         "nemotron_h": HYBRID_CASES["nemotron_h"], "gemma3": HYBRID_CASES["gemma3-small-window"]}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family(request, tmp_path_factory):
+    path = save_with_demo_tokenizer(CASES[request.param], tmp_path_factory.mktemp(request.param))
+    return request.param, str(path)
+
+
+def chat(engine, specprefill: bool) -> list:
+    """Three turns; each next prompt adds the reply (with a tool call), its result and a
+    question. Returns (prompt tokens, result) per turn."""
+    case = make_case(engine.tokenizer, 40, "passkey", 500)
+    messages, turns = list(case.messages), []
+    for turn in range(3):
+        tokens = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        result = engine.generate_sync(messages, max_tokens=6, specprefill=specprefill,
+                                      ignore_eos=True)
+        turns.append((len(tokens), messages, result))
+        call = {"id": f"call-{turn}", "type": "function",
+                "function": {"name": "lookup", "arguments": json.dumps({"turn": turn})}}
+        messages = messages + [  # the random models write whitespace: kept out of the text
+            {"role": "assistant", "content": result.text.strip(), "tool_calls": [call]},
+            {"role": "tool", "content": make_case(engine.tokenizer, 50 + turn, "passkey",
+                                                  200).messages[-1]["content"],
+             "tool_call_id": call["id"]},
+            {"role": "user", "content": "And the next one?"}]
+    return turns
+
+
+def test_every_family_reuses_the_previous_prompt_dense_and_sparse(family):
+    name, path = family
+    with Engine(model=path, draft=path) as engine:
+        dense = chat(engine, specprefill=False)
+    with Engine(model=path, draft=path, reuse_coverage=0.0) as engine:  # random weights:
+        sparse = chat(engine, specprefill=True)  # no importance signal for the gate
+    for turn in (1, 2):
+        previous, result = dense[turn - 1][0], dense[turn][2]
+        assert result.usage.cached_tokens >= previous, (name, turn, result.specprefill.reuse)
+        assert result.specprefill.reuse.startswith("dense"), result.specprefill.reuse
+        previous, result = sparse[turn - 1][0], sparse[turn][2]
+        assert result.specprefill.reuse.startswith("sparse"), (name, result.specprefill.reuse)
+        assert result.usage.draft_cached_tokens >= previous, (name, turn)
+        assert result.usage.cached_tokens > 0
+    if name != "qwen3":  # a checkpoint, not a cut anywhere
+        assert "checkpoint at" in dense[1][2].specprefill.reuse
+    with Engine(model=path, draft=path) as fresh:  # each dense turn as a fresh engine's
+        for _, messages, result in dense:
+            alone = fresh.generate_sync(messages, max_tokens=6, specprefill=False,
+                                        ignore_eos=True, cache_prompt=False)
+            assert alone.token_ids == result.token_ids, name
+        first = fresh.generate_sync(sparse[0][1], max_tokens=6, specprefill=True,
+                                    ignore_eos=True, cache_prompt=False)
+        assert first.token_ids == sparse[0][2].token_ids, name
+
+
+def test_a_plain_model_continues_from_the_exact_shared_prefix(family):
+    name, path = family
+    if name != "qwen3":
+        pytest.skip("exact continuation is for caches that can be cut anywhere")
+    with Engine(model=path, draft=None) as engine:
+        case = make_case(engine.tokenizer, 41, "passkey", 900)
+        ids = engine.tokenizer.apply_chat_template(case.messages, add_generation_prompt=True)
+        engine.generate_sync(ids, max_tokens=4)
+        grown = ids + np.random.default_rng(0).integers(10, 4000, 37).tolist()
+        again = engine.generate_sync(grown, max_tokens=4, ignore_eos=True)
+        # every shared token, not a chunk-grid point below (on 0945836: 786 of 882)
+        assert again.usage.cached_tokens == len(ids)
+        assert again.usage.prompt_tokens - again.usage.cached_tokens == 37
+        alone = engine.generate_sync(grown, max_tokens=4, ignore_eos=True, cache_prompt=False)
+    assert again.token_ids == alone.token_ids
