@@ -14,6 +14,7 @@ import math
 import queue
 import threading
 import weakref
+from dataclasses import replace
 from typing import AsyncIterator, Callable, Iterator, Optional, Union
 
 import numpy as np
@@ -200,6 +201,13 @@ class Engine:
         if self._started:
             return self._scheduler.ready.result()
         return self._ensure_started().result()
+
+    def stats(self) -> dict:
+        """What the engine has done in the background: `densify` (a `DensifyStats`:
+        turns densified, tokens computed, seconds spent, turns pending)."""
+        if self.rank:
+            return {}
+        return {"densify": replace(self._scheduler.densify_stats)}
 
     @property
     def tokenizer(self):

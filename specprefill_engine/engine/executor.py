@@ -38,6 +38,7 @@ class TurnOutcome:
     tokens: list = field(default_factory=list)  # (row, token) read back by the decode step
     logits: dict = field(default_factory=dict)  # handle -> (1, vocab) last prompt logits
     failed: dict = field(default_factory=dict)  # handle -> error
+    stored: dict = field(default_factory=dict)  # handle -> the prefix-cache key it is kept as
     seconds: dict = field(default_factory=dict)  # handle -> time in its prefill chunks
 
 
@@ -75,7 +76,7 @@ class Executor:
         outcome = TurnOutcome()
         if self.prefix is not None:
             self.prefix.merged.clear()  # a plan's restores name entries as it was decided
-        stored = [self._store(s) for s in plan.stores]
+        stored = [self._store(s, outcome) for s in plan.stores]
         for key in plan.drops:
             self.prefix.drop(key)
         for handle in plan.releases:
@@ -104,7 +105,7 @@ class Executor:
 
     # target work ----------------------------------------------------------------
 
-    def _store(self, store) -> bool:
+    def _store(self, store, outcome: TurnOutcome) -> bool:
         """Keep a request's cache for its next turn; a failure (a copy that cannot be
         allocated) only leaves it out."""
         handle = store.handle
@@ -118,7 +119,10 @@ class Executor:
                 cache = self.groups[handle].extract(self.rows[handle], count)
             checkpoints = {length: snap for length, snap in self.snapshots.get(handle, {}).items()
                            if length <= store.tokens.size}
-            self.prefix.store(store.tokens, cache, store.positions, checkpoints, store.keep)
+            key = self.prefix.store(store.tokens, cache, store.positions, checkpoints, store.keep,
+                                    store.densified)
+            if key is not None:
+                outcome.stored[handle] = key
             return True
         except Exception as error:
             logger.warning("prefix-cache store of request #%d failed: %r", handle, error)

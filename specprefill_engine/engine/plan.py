@@ -27,6 +27,7 @@ class Store:
     tokens: np.ndarray
     positions: Optional[np.ndarray] = None
     keep: float = 1.0  # the share its selection kept (1.0: dense)
+    densified: bool = False  # the dense KV of a SpecPrefill turn, computed while idle
 
 
 @dataclass
@@ -93,9 +94,9 @@ def encode(plan: TurnPlan) -> np.ndarray:
     out: list = []
     for store in plan.stores:
         positions = [] if store.positions is None else store.positions.tolist()
+        flags = int(store.positions is not None) | int(store.densified) << 1
         out += [_STORE, store.handle, round(store.keep * KEEP_SCALE), store.tokens.size,
-                len(positions), int(store.positions is not None), *store.tokens.tolist(),
-                *positions]
+                len(positions), flags, *store.tokens.tolist(), *positions]
     for key in plan.drops:
         out += [_DROP, key]
     for handle in plan.releases:
@@ -122,11 +123,12 @@ def decode(values: np.ndarray) -> TurnPlan:
     while i < len(values):
         op = values[i]
         if op == _STORE:
-            handle, keep, n, m, has_positions = values[i + 1 : i + 6]
+            handle, keep, n, m, flags = values[i + 1 : i + 6]
             i += 6
             tokens = _array(values, i, n, np.int32)
-            positions = _array(values, i + n, m, np.int64) if has_positions else None
-            plan.stores.append(Store(handle, tokens, positions, keep / KEEP_SCALE))
+            positions = _array(values, i + n, m, np.int64) if flags & 1 else None
+            plan.stores.append(Store(handle, tokens, positions, keep / KEEP_SCALE,
+                                     bool(flags & 2)))
             i += n + m
         elif op == _DROP:
             plan.drops.append(values[i + 1])

@@ -32,7 +32,7 @@ from ..core import UnsupportedModelError, select_chunks
 from ..core.adapters import check_sparse_prefill_supported
 from ..core.prefill import chunk_cost, chunk_plan, prefill_weight
 from ..core.sparse_prefill import cover_sliding_window
-from .plan import Restore
+from .plan import Chunk, Restore
 from .policy import expected_kept, predict
 from .prefix_cache import Hit, PrefixCache
 from .runtime import Runtime
@@ -60,8 +60,8 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple
     length, config = state.tokens.size, runtime.config
     dense_hit = caches.target.find(state.tokens, dense_only=True) if caches.target else None
     floor = config.chunk_size + config.tail_tokens
-    if state.specprefill is None:
-        floor = max(floor, state.threshold)
+    if state.specprefill is None or (dense_hit is not None and dense_hit.entry.densified):
+        floor = max(floor, state.threshold)  # a densified prefix: a turn as dense would run it
     if dense_hit is not None and length - dense_hit.cut < floor:  # not worth the draft
         return False, (f"only {length - dense_hit.cut} tokens to prefill after a cached "
                        f"prefix of {dense_hit.cut}: too few to sparsify (< {floor}); "
@@ -159,21 +159,27 @@ def _coverage(importance: np.ndarray, wanted: np.ndarray, held: np.ndarray,
 
 def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
                 importance: np.ndarray) -> None:
-    """Selection over the whole prompt, then what of the prefix cache can be reused."""
+    """Selection over the whole prompt, then what of the prefix cache can be reused. A
+    dense prefix already cached is kept whole (its KV costs nothing) and `keep` applies
+    to the rest."""
     config, report, tokens = runtime.config, state.report, state.tokens
     length = tokens.size
+    target = caches.target
+    dense_hit = target.find(tokens, dense_only=True) if target is not None else None
+    must_keep = state.protected
+    if dense_hit is not None:
+        cached = np.arange(length) < dense_hit.cut
+        must_keep = cached if must_keep is None else (must_keep | cached)
     selected = np.asarray(select_chunks(
         importance, report.keep, config.chunk_size, config.backbone_pct, config.tail_tokens,
-        must_keep=state.protected,
+        must_keep=must_keep,
     ), dtype=np.int64)
     selected = cover_sliding_window(selected, make_prompt_cache(runtime.model), length, 0)
 
-    # what can be reused: a dense prefix up to the first dropped token, or a stored
-    # sparse cache whose selection kept as much and still covers the shared prefix
-    target = caches.target
+    # what can be reused: the dense prefix, or a stored sparse cache whose selection
+    # kept as much and still covers the shared prefix
     cut, before, reuse, hit = 0, np.zeros(0, np.int64), "none", None
     if target is not None:
-        dense_hit = target.find(tokens, dense_only=True)
         if dense_hit is not None:
             # selected is sorted: the first index where it departs from 0, 1, 2, ...
             # is the first dropped position
@@ -184,7 +190,9 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
             reuse = f"dense {dense_hit.describe(cut)}" if cut else "none"
         sparse_hit = target.find(tokens)
         entry = sparse_hit.entry if sparse_hit is not None else None
-        if entry is not None and entry.positions is not None and sparse_hit.cut > cut:
+        densified = dense_hit is not None and dense_hit.entry.densified  # dense KV beats a view
+        if entry is not None and entry.positions is not None and sparse_hit.cut > cut \
+                and not densified:
             shared = sparse_hit.cut
             held = entry.positions[entry.positions < shared]
             if entry.keep < report.keep:
@@ -237,6 +245,24 @@ def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
             fall_back_to_dense(state, runtime, caches, error)
             return
     plan_dense(state, runtime, caches.target)
+
+
+def unit_chunks(handle: int, feed: np.ndarray, positions: Optional[np.ndarray], fed: int,
+                chunk_ends: list, checkpoint: int = 0) -> tuple[list, int]:
+    """One unit of prefill work from `fed` on: the chunks up to the first end a scheduler
+    turn may follow (or the feed's end, whose chunk is `last` and carries `checkpoint`),
+    and how far the feed is then."""
+    chunks = []
+    for end, pause in chunk_ends:
+        if end <= fed:
+            continue
+        last = end == feed.size
+        chunks.append(Chunk(handle, feed[fed:end], None if positions is None else positions[fed:end],
+                            last=last, checkpoint=checkpoint if last else 0))
+        fed = end
+        if pause or last:
+            break
+    return chunks, fed
 
 
 def short_prefill_share(state: RequestState, runtime: Runtime) -> Optional[float]:

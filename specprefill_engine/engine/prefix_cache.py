@@ -104,6 +104,7 @@ class Entry:
     key: int  # names the entry in turn plans
     nbytes: int = 0
     keep: float = 1.0  # the share of the prompt its selection kept (1.0: dense)
+    densified: bool = False  # computed while idle from a SpecPrefill turn
 
     @property
     def count(self) -> int:
@@ -154,6 +155,8 @@ class Hit:
         if entry.cuts_anywhere:
             text = f"prefix of {cut} tokens" if cut == self.shared else \
                 f"prefix of {cut} of {self.shared} shared tokens"
+            if entry.densified:
+                text = f"prefix (densified) of {text[len('prefix of '):]}"
         else:
             text = f"checkpoint at {cut} of {self.shared} shared tokens"
         if entry.positions is not None:
@@ -261,7 +264,8 @@ class PrefixCache:
         return cache, positions
 
     def store(self, tokens: np.ndarray, cache: list, positions: Optional[np.ndarray] = None,
-              checkpoints: Optional[dict] = None, keep: float = 1.0) -> Optional[int]:
+              checkpoints: Optional[dict] = None, keep: float = 1.0,
+              densified: bool = False) -> Optional[int]:
         """Keep a cache that was fed all of `tokens` (dense) or, with `positions`, one
         entry per listed position, plus `checkpoints` ({prefix length: snapshot}) taken
         on the way; the cache's own state is the checkpoint at len(tokens). An entry
@@ -273,7 +277,7 @@ class PrefixCache:
         positions = None if positions is None else np.array(positions)
         checkpoints = dict(checkpoints or {})
         _validated(tokens, positions, checkpoints, cache)
-        new = Entry(tokens, positions, [], {}, -1, keep=keep)
+        new = Entry(tokens, positions, [], {}, -1, keep=keep, densified=densified)
         count, fed = new.count, _fed(cache)
         if count == 0 or any(c.offset < count for c in cache if cuttable(c)):
             return None
@@ -292,6 +296,7 @@ class PrefixCache:
         absorbed = [old for old in self.entries.values() if _extends(new, old)]
         for old in absorbed:
             checkpoints = {**old.checkpoints, **checkpoints}
+            new.densified |= old.densified  # its prefix came from a densified turn
         new.checkpoints = self._bounded(checkpoints)
         new.nbytes = new._size()
         if new.nbytes > self.max_bytes:

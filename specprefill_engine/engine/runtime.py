@@ -53,6 +53,7 @@ class EngineConfig:
     specprefill_margin: float = 0.1
     recent_message_cap: int = 512
     rank_timeout: float = 60.0  # seconds a turn may take before rank 0 declares a rank lost
+    densify: str = "idle"  # "idle": compute a SpecPrefill turn's dense KV while idle; "off"
 
     def __post_init__(self):
         if not (isinstance(self.keep, (int, float)) and 0 < self.keep <= 1):
@@ -66,6 +67,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.densify not in ("idle", "off"):
+            raise ValueError(f"densify must be 'idle' or 'off', got {self.densify!r}")
         if not (isinstance(self.rank_timeout, (int, float)) and self.rank_timeout > 0):
             raise ValueError(f"rank_timeout must be a number of seconds > 0, got "
                              f"{self.rank_timeout!r}")

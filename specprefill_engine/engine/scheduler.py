@@ -40,12 +40,14 @@ import numpy as np
 
 from ..core.sparse_prefill import decode_shift
 from .batch import sample_rows
+from . import densify
 from .delivery import one_delivery
 from .distributed import Watchdog
 from .executor import Executor, TurnOutcome
-from .plan import Chunk, Join, Store, TurnPlan
+from .plan import Join, Store, TurnPlan
 from .prefill import (
     PrefixCaches, begin, fall_back_to_dense, plan_sparse, score_unit, short_prefill_share,
+    unit_chunks,
 )
 from .prefix_cache import PrefixCache, prefix_cache_for
 from .results import Progress
@@ -93,6 +95,9 @@ class Scheduler:
         self._joining: list = []  # first token out: joins the decode in the next plan
         self._decoding: dict = {}  # handle -> state
         self._leaving: list = []  # (state, store it) ended: released in the next plan
+        self._jobs: deque = deque()  # SpecPrefill turns to densify while idle
+        self._replacing: dict = {}  # handle of a sparse turn stored this plan -> its job
+        self.densify_stats = densify.DensifyStats()
         self._reserved = 0
         self._handles = itertools.count(1)
         self.runtime: Optional[Runtime] = None
@@ -167,7 +172,7 @@ class Scheduler:
         return bool(self._prefilling or self._joining or self._decoding or self._leaving)
 
     def _turn(self, runtime: Runtime, caches: PrefixCaches) -> bool:
-        if not self._take_new(block=not self._busy() and not self._waiting):
+        if not self._take_new(block=not self._busy() and not self._waiting and not self._jobs):
             return False
         if self.failure is not None:
             return False
@@ -178,10 +183,11 @@ class Scheduler:
         plan.decode = bool(self._decoding)
         scoring = self._plan_prefill(plan, runtime, caches)
         if caches.target is not None:
+            self._plan_densify(plan, runtime, caches.target)
             pinned = {r.key for r in plan.restores}
             if self._prefilling is not None and self._prefilling.restore is not None:
                 pinned.add(self._prefilling.restore.key)  # restored in a later turn
-            plan.drops = caches.target.evictions(pinned)
+            plan.drops += caches.target.evictions(pinned)
         if plan:
             if runtime.channel is not None:
                 runtime.channel.post(plan)
@@ -191,6 +197,7 @@ class Scheduler:
             if self._watchdog is not None:
                 self._watchdog.turn_started = None
             self._absorb(plan, outcome, runtime)
+            self._densified(plan, outcome)
         if scoring is not None:
             self._score(scoring, runtime, caches)
         return True
@@ -232,8 +239,62 @@ class Scheduler:
         for state, replied in self._leaving:
             if replied is not None and target is not None:
                 self._plan_store(plan, state, replied)
+                if state.positions is not None and self.runtime.config.densify == "idle":
+                    self._add_job(plan.stores[-1].tokens, state.handle)
             plan.releases.append(state.handle)
         self._leaving.clear()
+
+    # densify ---------------------------------------------------------------------
+
+    def _add_job(self, tokens: np.ndarray, handle: int) -> None:
+        """A SpecPrefill turn to densify; queued turns it extends are not needed."""
+        self._jobs = deque(job for job in self._jobs if job.feed is not None or not (
+            job.tokens.size <= tokens.size and np.array_equal(job.tokens, tokens[: job.tokens.size])))
+        job = densify.Job(next(self._handles), tokens)
+        self._jobs.append(job)
+        self._replacing[handle] = job
+
+    def _plan_densify(self, plan: TurnPlan, runtime: Runtime, target: PrefixCache) -> None:
+        """Keep what the current job computed; give it a unit when nothing else runs."""
+        if not self._jobs:
+            return
+        job = self._jobs[0]
+        if job.failed:  # given up, not retried
+            plan.releases.append(job.handle)
+            self._jobs.popleft()
+            return
+        densify.plan_store(plan, job)
+        if job.feed is not None and job.fed == job.feed.size:  # done: the dense KV replaces
+            if job.replaces is not None:  # the sparse entry
+                plan.drops.append(job.replaces)
+            plan.releases.append(job.handle)
+            self._jobs.popleft()
+            self.densify_stats.entries += 1
+            return
+        if self._busy() or self._waiting or plan.chunks:
+            return
+        if job.feed is None and not densify.start(job, runtime.model, target,
+                                                  runtime.config.step_size):
+            self._jobs.popleft()  # a dense prefix covers it already
+            return
+        densify.plan_unit(plan, job)
+
+    def _densified(self, plan: TurnPlan, outcome: TurnOutcome) -> None:
+        """The keys sparse turns were stored as (their jobs drop them when done) and
+        the densify units' work."""
+        for handle, job in list(self._replacing.items()):
+            if handle in outcome.stored:
+                job.replaces = outcome.stored[handle]
+        self._replacing.clear()
+        stats = self.densify_stats
+        for chunk in plan.chunks:
+            if self._jobs and chunk.handle == self._jobs[0].handle:
+                stats.tokens += int(chunk.tokens.size)
+        if self._jobs:
+            job = self._jobs[0]
+            stats.seconds += outcome.seconds.get(job.handle, 0.0)
+            job.failed = job.handle in outcome.failed
+        stats.pending = len(self._jobs)
 
     @staticmethod
     def _fed(state: RequestState) -> int:
@@ -295,19 +356,12 @@ class Scheduler:
         """The request's next chunks, up to one a scheduler turn may follow."""
         if state.fed == 0:
             plan.restores.append(state.restore)
-        while True:
-            end, pause = next((e, p) for e, p in state.chunk_ends if e > state.fed)
-            positions, last = state.feed_positions, end == state.feed.size
-            plan.chunks.append(Chunk(state.handle, state.feed[state.fed:end],
-                                     None if positions is None else positions[state.fed:end],
-                                     last=last, checkpoint=int(state.tokens.size) if last else 0))
-            state.fed = end
-            if end == state.feed.size:
-                self._prefilling = None
-                self._prefilled.append(state)
-                return
-            if pause:
-                return
+        chunks, state.fed = unit_chunks(state.handle, state.feed, state.feed_positions,
+                                        state.fed, state.chunk_ends, int(state.tokens.size))
+        plan.chunks += chunks
+        if state.fed == state.feed.size:
+            self._prefilling = None
+            self._prefilled.append(state)
 
     def _admit(self, runtime: Runtime, caches: PrefixCaches) -> bool:
         """Start the oldest waiting request's prefill, if the batch and KV budget allow."""
@@ -493,6 +547,7 @@ class Scheduler:
             if state is not None:
                 self._finish(state, "abort")
         self._prefilling, self._prefilled, self._joining = None, [], []
+        self._jobs.clear()
         self._decoding.clear()
         self._leaving.clear()
         self._waiting.clear()
