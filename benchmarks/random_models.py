@@ -1,5 +1,5 @@
-"""Random-weight Qwen3-shaped models saved with the demo tokenizer, for timing
-benchmarks on a GPU (no hub downloads there). The vocabulary is the demo
+"""Random-weight Qwen3-shaped (and Qwen3-Next-like hybrid) models saved with the demo
+tokenizer, for timing benchmarks on a GPU (no hub downloads there). The vocabulary is the demo
 tokenizer's 4096 so every method, ours and mlx-lm's, decodes the same model."""
 
 import shutil
@@ -8,24 +8,44 @@ from pathlib import Path
 
 import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
 import mlx.core as mx
-from mlx_lm.models import qwen3
+from mlx_lm.models import qwen3, qwen3_next
 from mlx_lm.utils import save_config, save_model
 
 from gpu_ttft import SHAPES
 from specprefill_engine.loading import DEMO_TARGET
 
 
+# a Qwen3-Next-like hybrid of ~8B parameters: GatedDeltaNet layers with a gated
+# attention layer every fourth, dense MLPs (no experts), partial rotary
+HYBRID_SHAPES = {
+    "qwen3-next-8b": dict(hidden_size=4096, num_hidden_layers=36, intermediate_size=12288,
+                          num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                          linear_num_value_heads=32, linear_num_key_heads=16,
+                          linear_key_head_dim=128, linear_value_head_dim=128,
+                          linear_conv_kernel_dim=4, num_experts=0, num_experts_per_tok=1,
+                          decoder_sparse_step=1, shared_expert_intermediate_size=0,
+                          mlp_only_layers=[], moe_intermediate_size=0,
+                          partial_rotary_factor=0.25, full_attention_interval=4),
+}
+
+
 def random_model_dir(shape: str, seed: int = 0) -> str:
-    config = dict(model_type="qwen3", vocab_size=4096, rms_norm_eps=1e-6,
-                  max_position_embeddings=131072, head_dim=128, rope_theta=1e6,
-                  tie_word_embeddings=False, **SHAPES[shape])
+    """The model's folder, made once per machine (config.json is written last)."""
+    common = dict(vocab_size=4096, rms_norm_eps=1e-6, max_position_embeddings=131072,
+                  rope_theta=1e6, tie_word_embeddings=False)
+    if shape in HYBRID_SHAPES:
+        module, config = qwen3_next, dict(model_type="qwen3_next", **common, **HYBRID_SHAPES[shape])
+    else:
+        module, config = qwen3, dict(model_type="qwen3", head_dim=128, **common, **SHAPES[shape])
+    path = Path(tempfile.gettempdir()) / "specprefill-random" / f"{shape}-{seed}"
+    if (path / "config.json").exists():  # made by an earlier run on this machine
+        return str(path)
     mx.random.seed(seed)
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
-    path = Path(tempfile.mkdtemp()) / shape
     save_model(path, model)
-    save_config(config, path / "config.json")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(DEMO_TARGET / name, path / name)
+    save_config(config, path / "config.json")
     return str(path)
