@@ -14,7 +14,7 @@ right; per row, the loop's critical-path prefill (the sum of its TTFTs). Rows:
 - SpecPrefill + reuse (densify off): sparse-prefix reuse behind the coverage gate;
 - SpecPrefill + densify: SpecPrefill turns, their dense KV computed while the agent's
   tool runs.
-The rows alternate by session (each its own engine or cache), warm-up first.
+Each session runs every row in turn, each on a fresh engine (or cache) warmed up first.
 
     .venv/bin/python benchmarks/agent.py --tokens 6000 --sessions 2 --json docs/agent-cpu.json
     python benchmarks/agent.py --target-shape qwen3-8b --tokens 32000 --sessions 1 \\
@@ -104,42 +104,31 @@ def engine_session(engine, settings, session, args) -> list:
 
 
 def run(args) -> list:
+    """Sessions one after another; in each, the rows in turn, each on its own engine (one
+    model in memory at a time beside mlx-lm's)."""
     rows = []
     caches = {"prefix_cache_bytes": int(args.cache_gb * 2**30),
               "draft_prefix_cache_bytes": int(args.cache_gb * 2**30)}
-    model = tokenizer = None
-    if "mlx-lm + prompt cache" in args.methods:
-        model, tokenizer = load_model(args.target) if args.target else load_model()
-    engines = {name: Engine(model=args.target, draft=args.draft, keep=args.keep,
+    model, tokenizer = load_model(args.target) if args.target else load_model()
+    warm = argparse.Namespace(**{**vars(args), "steps": 2, "tool_seconds": 0})
+    for session_index in range(args.sessions):
+        for name in args.methods:
+            session = make_agent_session(tokenizer, session_index, args.tokens, args.steps)
+            warm_session = make_agent_session(tokenizer, 99, min(args.tokens, 4000), 2)
+            if METHODS[name] is None:
+                mlx_lm_session(model, tokenizer, warm_session, warm)  # kernels compile
+                session_rows = mlx_lm_session(model, tokenizer, session, args)
+            else:
+                with Engine(model=args.target, draft=args.draft, keep=args.keep,
                             reuse_coverage=args.coverage, step_size=args.step_size,
-                            **caches, **METHODS[name]["engine"]).start_sync()
-               for name in args.methods if METHODS[name] is not None}
-    try:
-        for engine in engines.values():  # warm-up: kernels compile for new shapes
-            warm = make_agent_session(engine.tokenizer, 99, min(args.tokens, 4000), 2)
-            engine_session(engine, {"request": {"specprefill": True}}, warm,
-                           argparse.Namespace(**{**vars(args), "steps": 2, "tool_seconds": 0}))
-        if model is not None:
-            warm = make_agent_session(tokenizer, 99, min(args.tokens, 4000), 2)
-            mlx_lm_session(model, tokenizer, warm, argparse.Namespace(
-                **{**vars(args), "steps": 2, "tool_seconds": 0}))
-        for session_index in range(args.sessions):
-            for name in args.methods:
-                engine = engines.get(name)
-                session = make_agent_session((engine.tokenizer if engine else tokenizer),
-                                             session_index, args.tokens, args.steps)
-                if engine is None:
-                    session_rows = mlx_lm_session(model, tokenizer, session, args)
-                else:
+                            **caches, **METHODS[name]["engine"]) as engine:
+                    engine_session(engine, METHODS[name], warm_session, warm)
                     session_rows = engine_session(engine, METHODS[name], session, args)
-                for step, row in enumerate(session_rows):
-                    row.update(method=name, session=session_index, step=step + 1,
-                               correct=row["reply"].strip() == session.answers[step])
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-    finally:
-        for engine in engines.values():
-            engine.shutdown_sync()
+            for step, row in enumerate(session_rows):
+                row.update(method=name, session=session_index, step=step + 1,
+                           correct=row["reply"].strip() == session.answers[step])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 

@@ -10,8 +10,8 @@ an 8B target), bfloat16. Every row of a length is measured side by side in one r
   the N kept tokens (one RoPE call per layer) and, for comparison, the same with RoPE
   called once per run of kept tokens (the old path), SpecPrefill end to end (score,
   select, sparse prefill, first token) and the ideal t(draft prefill) + t(dense N);
-- the automatic policy's choice for each length and keep (`specprefill=None`): the
-  engine's own calibration on these models and its prediction, next to the measured gain;
+- the automatic policy's choice for each length and keep (`specprefill=None`) before any
+  prefill ran (its prediction from the models' shapes), next to the measured gain;
 - vllm-mlx 0.6.0 on the same prompts and keeps (`--peer-site`).
 
 Random weights make the selection meaningless but the timing real. `--json` keeps rows.
@@ -82,13 +82,12 @@ def dense(model, tokens, step=STEP, balanced=None):
 
 
 def policy_choices(target, draft, lengths, keeps) -> dict:
-    """What the engine's automatic policy (specprefill=None) would choose, from its
-    own calibration on these models (as the engine runs it at first use)."""
-    from specprefill_engine.engine.policy import CostModel, expected_kept, predict
+    """What the engine's automatic policy (specprefill=None) would choose for these
+    models before any prefill ran: its prediction from the models' shapes alone."""
+    from specprefill_engine.engine.policy import CostModel, expected_kept, predict, shape_of
     from specprefill_engine.engine.runtime import EngineConfig
 
-    config, costs = EngineConfig(), CostModel()
-    costs.calibrate(target, draft, STEP, 8192)
+    config, costs = EngineConfig(), CostModel(shape_of(target), shape_of(draft))
     choices = {}
     for length in lengths:
         for keep in keeps:
