@@ -52,11 +52,11 @@ def _fed(cache: list) -> int:
     return next(c.offset for c in cache if isinstance(getattr(c, "offset", None), int))
 
 
-def mlx_lm_session(model, tokenizer, session, args) -> list:
-    """One session through mlx-lm: its prompt cache kept as its server keeps it (the
-    nearest cached prefix, trimmed where the cache can be; a copy at the prompt's end,
-    the cache after the reply)."""
-    store, rows, replies = LRUPromptCache(max_size=16), [], []
+def mlx_lm_session(model, tokenizer, store, session, args) -> list:
+    """One session through mlx-lm: its prompt cache `store` kept as its server keeps it
+    (the nearest cached prefix, trimmed where the cache can be; a copy at the prompt's
+    end, the cache after the reply)."""
+    rows, replies = [], []
     for step in range(args.steps):
         messages = session.messages(step, replies)
         tokens = tokenizer.apply_chat_template(messages, tools=list(session.tools),
@@ -110,14 +110,15 @@ def run(args) -> list:
     caches = {"prefix_cache_bytes": int(args.cache_gb * 2**30),
               "draft_prefix_cache_bytes": int(args.cache_gb * 2**30)}
     model, tokenizer = load_model(args.target) if args.target else load_model()
+    store = LRUPromptCache(max_size=16)  # one for the run, as a server's (the engines keep theirs)
     warm = argparse.Namespace(**{**vars(args), "steps": 2, "tool_seconds": 0})
     for session_index in range(args.sessions):
         for name in args.methods:
             session = make_agent_session(tokenizer, session_index, args.tokens, args.steps)
             warm_session = make_agent_session(tokenizer, 99, min(args.tokens, 4000), 2)
             if METHODS[name] is None:
-                mlx_lm_session(model, tokenizer, warm_session, warm)  # kernels compile
-                session_rows = mlx_lm_session(model, tokenizer, session, args)
+                mlx_lm_session(model, tokenizer, store, warm_session, warm)  # kernels compile
+                session_rows = mlx_lm_session(model, tokenizer, store, session, args)
             else:
                 with Engine(model=args.target, draft=args.draft, keep=args.keep,
                             reuse_coverage=args.coverage, step_size=args.step_size,
