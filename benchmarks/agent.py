@@ -110,20 +110,21 @@ def run(args) -> list:
     caches = {"prefix_cache_bytes": int(args.cache_gb * 2**30),
               "draft_prefix_cache_bytes": int(args.cache_gb * 2**30)}
     model, tokenizer = load_model(args.target) if args.target else load_model()
-    store = LRUPromptCache(max_size=16)  # one for the run, as a server's (the engines keep theirs)
     warm = argparse.Namespace(**{**vars(args), "steps": 2, "tool_seconds": 0})
     for session_index in range(args.sessions):
         for name in args.methods:
             session = make_agent_session(tokenizer, session_index, args.tokens, args.steps)
-            warm_session = make_agent_session(tokenizer, 99, min(args.tokens, 4000), 2)
-            if METHODS[name] is None:
-                mlx_lm_session(model, tokenizer, store, warm_session, warm)  # kernels compile
-                session_rows = mlx_lm_session(model, tokenizer, store, session, args)
+            warm_session = make_agent_session(tokenizer, 99, args.tokens, 2)  # same shapes
+            if METHODS[name] is None:  # a fresh cache after the warm-up: no big entry to copy
+                mlx_lm_session(model, tokenizer, LRUPromptCache(16), warm_session, warm)
+                session_rows = mlx_lm_session(model, tokenizer, LRUPromptCache(16), session, args)
             else:
                 with Engine(model=args.target, draft=args.draft, keep=args.keep,
                             reuse_coverage=args.coverage, step_size=args.step_size,
                             **caches, **METHODS[name]["engine"]) as engine:
                     engine_session(engine, METHODS[name], warm_session, warm)
+                    while engine.stats()["densify"].pending:  # idle before the session
+                        time.sleep(0.05)
                     session_rows = engine_session(engine, METHODS[name], session, args)
             for step, row in enumerate(session_rows):
                 row.update(method=name, session=session_index, step=step + 1,

@@ -247,11 +247,14 @@ class Scheduler:
     # densify ---------------------------------------------------------------------
 
     def _add_job(self, tokens: np.ndarray, handle: int) -> None:
-        """A SpecPrefill turn to densify; queued turns it extends are not needed."""
-        self._jobs = deque(job for job in self._jobs if job.feed is not None or not (
-            job.tokens.size <= tokens.size and np.array_equal(job.tokens, tokens[: job.tokens.size])))
+        """A SpecPrefill turn to densify, first in line unless a job is under way: the
+        newest turn is the one an agent's next turn extends. Queued turns it extends are
+        not needed."""
+        jobs = [job for job in self._jobs if job.feed is not None or not (
+            job.tokens.size <= tokens.size and np.array_equal(job.tokens, tokens[: job.tokens.size]))]
         job = densify.Job(next(self._handles), tokens)
-        self._jobs.append(job)
+        at = 1 if jobs and jobs[0].feed is not None else 0
+        self._jobs = deque(jobs[:at] + [job] + jobs[at:])
         self._replacing[handle] = job
 
     def _plan_densify(self, plan: TurnPlan, runtime: Runtime, target: PrefixCache) -> None:
