@@ -254,7 +254,7 @@ def test_tool_definitions_calls_and_results_reach_the_prompt():
     assert reply.usage_metadata["input_tokens"] > longer
 
 
-def test_bind_tools_refuses_a_template_that_cannot_render_tools(tmp_path):
+def test_tools_are_refused_for_a_template_that_cannot_render_tools(tmp_path):
     for path in DEMO_TARGET.iterdir():
         shutil.copy(path, tmp_path / path.name)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
@@ -263,8 +263,14 @@ def test_bind_tools_refuses_a_template_that_cannot_render_tools(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     llm = ChatSpecPrefill(model=str(tmp_path))
     try:
+        bound = llm.bind_tools([get_weather])  # loads nothing
         with pytest.raises(ToolsNotSupportedError, match="does not render tools"):
-            llm.bind_tools([get_weather])
+            bound.invoke("hi")
+        with pytest.raises(ToolsNotSupportedError, match="does not render tools"):
+            asyncio.run(bound.ainvoke("hi"))
+        with pytest.raises(ToolsNotSupportedError, match="does not render tools"):
+            llm.check_tools_supported()
+        assert not llm.engine.active_request_ids
     finally:
         llm.close()
 
