@@ -293,13 +293,12 @@ class _Markers:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.llg = llg_tokenizer(tokenizer) if tokenizer is not None else None
 
     def special(self, text: str) -> bool:
-        if self.llg is None:
+        if self.tokenizer is None:
             return False
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return len(ids) == 1 and self.llg.is_special_token(ids[0])
+        return len(ids) == 1 and llg_tokenizer(self.tokenizer).is_special_token(ids[0])
 
     def item(self, text: str) -> str:
         if self.special(text):
