@@ -12,6 +12,7 @@ from specprefill_engine.engine import constrained
 from specprefill_engine.engine.constrained import (
     allowed_tokens, check_response_format, llg_tokenizer, make_constraint,
 )
+from specprefill_engine.engine.tool_calls import ToolsNotSupportedError
 
 JOKE = {"type": "object", "properties": {"setup": {"type": "string"},
                                          "punchline": {"type": "string"}},
@@ -79,6 +80,20 @@ def test_check_response_format_normalizes_and_refuses():
     ]:
         with pytest.raises(error, match="response_format"):
             check_response_format(bad)
+
+
+def test_reasoning_and_format_keys_are_checked():
+    thinking = check_response_format({"type": "json_object", "reasoning": "open",
+                                      "reasoning_budget": 8})
+    assert thinking == {"type": "json_object", "reasoning": "open", "reasoning_budget": 8}
+    coder = check_response_format({"type": "tool_call", "tools": TOOLS, "format": "qwen3_coder"})
+    assert coder["format"] == "qwen3_coder"
+    with pytest.raises(ValueError, match="reasoning must be one of"):
+        check_response_format({"type": "json_object", "reasoning": "maybe"})
+    with pytest.raises(ValueError, match="reasoning_budget must be an integer >= 0"):
+        check_response_format({"type": "json_object", "reasoning_budget": -1})
+    with pytest.raises(ToolsNotSupportedError, match="'mistral'"):
+        check_response_format({"type": "tool_call", "tools": TOOLS, "format": "mistral"})
 
 
 def test_llguidance_tokenizer_is_cached(target):

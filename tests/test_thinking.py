@@ -78,6 +78,31 @@ def test_the_budget_forces_the_end_of_thinking_then_the_grammar_holds(target):
     assert set(json.loads(answer)) == {"setup", "punchline"}
 
 
+@pytest.mark.parametrize("response_format", [
+    {"type": "regex", "regex": "[0-9]{3}"},
+    {"type": "lark", "lark": 'start: "answer: " /[a-z]{2,4}/'},
+    {"type": "tool_call", "tools": [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {
+            "location": {"type": "string"}}, "required": ["location"]}}}],
+     "tool_choice": "required"},
+])
+def test_every_format_follows_the_thinking(target, response_format):
+    _, tokenizer = target
+    text = tokenizer.decode(think_then(target, {**response_format, "reasoning": "open",
+                                                "reasoning_budget": 6}))
+    thought, marker, answer = text.partition("</think>")
+    assert thought and marker
+    kind = response_format["type"]
+    if kind == "regex":
+        assert answer.strip().isdigit() and len(answer.strip()) == 3
+    elif kind == "lark":
+        assert answer.lstrip().startswith("answer: ")
+    else:
+        body = answer.strip()
+        assert body.startswith("<tool_call>") and body.endswith("</tool_call>")
+        assert json.loads(body[len("<tool_call>"):-len("</tool_call>")])["name"] == "get_weather"
+
+
 def test_optional_reasoning_lets_the_model_open_a_think_block(target):
     _, tokenizer = target
     schema = {"type": "json_schema", "schema": JOKE, "reasoning": "optional",
