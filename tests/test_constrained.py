@@ -5,8 +5,8 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
+from decoding import constrained_decode
 from specprefill_engine import Engine
 from specprefill_engine.engine import constrained
 from specprefill_engine.engine.constrained import (
@@ -46,14 +46,7 @@ def decode(target, response_format, prompt="Tell me a joke.", max_tokens=80):
     processor = make_constraint(tokenizer, response_format)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                         add_generation_prompt=True, tools=TOOLS)
-    out = []
-    steps = generate_step(mx.array(ids), model, max_tokens=max_tokens,
-                          sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
-                          logits_processors=[lambda tokens, logits: processor(tokens[len(ids):], logits)])
-    for token, _ in steps:
-        if int(token) in tokenizer.eos_token_ids:
-            break
-        out.append(int(token))
+    out = constrained_decode(model, tokenizer, processor, ids, max_tokens)
     return tokenizer.decode(out), processor
 
 

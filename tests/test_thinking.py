@@ -13,10 +13,10 @@ import mlx.core as mx
 import pytest
 from langchain_core.messages import AIMessageChunk, HumanMessage
 from langchain_core.tools import tool
-from mlx_lm.generate import generate_step
 from pydantic import BaseModel, Field
 
 from chat_templates import THINKING_TEMPLATE, demo_variant
+from decoding import constrained_decode
 from langchain_specprefill import ChatSpecPrefill
 from specprefill_engine import Engine
 from specprefill_engine.engine.constrained import allowed_tokens, make_constraint
@@ -58,14 +58,7 @@ def think_then(target, response_format, max_tokens=90):
     processor = make_constraint(tokenizer, response_format)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a joke."}],
                                         add_generation_prompt=True, **THINKING)
-    out = []
-    for token, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens,
-                                  sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
-                                  logits_processors=[lambda t, l: processor(t[len(ids):], l)]):
-        if int(token) in tokenizer.eos_token_ids:
-            break
-        out.append(int(token))
-    return out
+    return constrained_decode(model, tokenizer, processor, ids, max_tokens)
 
 
 def test_the_budget_forces_the_end_of_thinking_then_the_grammar_holds(target):

@@ -8,14 +8,13 @@ import asyncio
 import json
 from typing import Optional
 
-import mlx.core as mx
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
-from mlx_lm.generate import generate_step
 from pydantic import BaseModel, Field
 
 from chat_templates import CODER_TEMPLATE, DEMO_TEMPLATE, GLM_TEMPLATE, demo_variant
+from decoding import constrained_decode
 from langchain_specprefill import ChatSpecPrefill
 from langchain_specprefill.chat_model import ToolsNotSupportedError
 from specprefill_engine import Engine
@@ -55,13 +54,7 @@ def decode(model, tokenizer, response_format, prompt, max_tokens=120):
     processor = make_constraint(tokenizer, response_format)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                         add_generation_prompt=True, tools=TOOLS)
-    out = []
-    for token, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens,
-                                  sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
-                                  logits_processors=[lambda t, l: processor(t[len(ids):], l)]):
-        if int(token) in tokenizer.eos_token_ids:
-            break
-        out.append(int(token))
+    out = constrained_decode(model, tokenizer, processor, ids, max_tokens)
     return tokenizer.decode(out), processor
 
 

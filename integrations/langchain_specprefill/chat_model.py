@@ -360,7 +360,8 @@ class ChatSpecPrefill(BaseChatModel):
         # files under invalid_tool_calls (raw text could partly parse as an object).
         # LangChain rebuilds invalid calls from chunks without their error, so the
         # error travels in response_metadata and is put back on the final message.
-        return AIMessageChunk(content="", tool_call_chunks=[{**call, "args": json.dumps(value.args)}],
+        return AIMessageChunk(content="",
+                              tool_call_chunks=[{**call, "args": json.dumps(value.args)}],
                               response_metadata={TOOL_CALL_ERRORS: {value.id: value.error}})
 
     def _chunks(self, chunk, parser: OutputParser, timed_out, timeout) -> list:
@@ -528,7 +529,8 @@ class ChatSpecPrefill(BaseChatModel):
             llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format={
                 "kwargs": {"method": method}, "schema": tool})
             parser = (CutAwarePydanticToolsParser(tools=[schema], first_tool_only=True)
-                      if is_pydantic else CutAwareToolArgsParser(key_name=name, first_tool_only=True))
+                      if is_pydantic
+                      else CutAwareToolArgsParser(key_name=name, first_tool_only=True))
         elif method in ("json_schema", "json_mode"):
             if schema is None and method == "json_schema":
                 raise ValueError("method='json_schema' needs a schema")

@@ -51,8 +51,8 @@ class Rendered:
     """One chat, rendered: a prompt the Engine takes as it is (`engine.generate(rendered)`).
 
     `message_starts[i]`: the token where message i starts (None where the template is
-    not prefix-stable there, or outside the rendered window); `generation_start`: where the generation prompt starts;
-    `protected`: tokens SpecPrefill must keep; `think`: "open" (the prompt ends inside
+    not prefix-stable there, or outside the rendered window); `generation_start`:
+    where the generation prompt starts; `protected`: tokens SpecPrefill must keep; `think`: "open" (the prompt ends inside
     a think block), "optional" (the model may open one: its tokenizer has think
     tokens, thinking is not switched off and the generation prompt holds none) or None.
     """

@@ -371,6 +371,7 @@ def _xml_call(grammar: _Grammar, function: dict) -> str:
     if not name or any(c.isspace() or c in "<>" for c in name):
         _fail(f"tool {name!r}: qwen3_coder calls need a name without spaces or '<>'")
     properties, required = _parameters(function)
+    closer = "\n</parameter>\n"
     items = []
     for key, schema in properties.items():
         if not key or any(c.isspace() or c in "<>" for c in key):
@@ -380,10 +381,10 @@ def _xml_call(grammar: _Grammar, function: dict) -> str:
         text = _string_schema(schema)
         kind = schema.get("type")
         if text is not None:
-            value = _free_value(grammar, text, "</parameter>", "\n</parameter>\n", nullable=text is not schema)
-        elif isinstance(kind, str) and kind in ("integer", "number", "boolean", "object",
-                                                "array"):
-            value = grammar.rule(f"{_json(schema)} {_lark_string(chr(10) + '</parameter>' + chr(10))}")
+            value = _free_value(grammar, text, "</parameter>", closer,
+                                nullable=text is not schema)
+        elif kind in ("integer", "number", "boolean", "object", "array"):
+            value = grammar.rule(f"{_json(schema)} {_lark_string(closer)}")
         elif key in required:
             _fail(f"tool {name!r} parameter {key!r}: mlx-lm's qwen3_coder parser cannot read "
                   f"a value of schema {json.dumps(schema)} back; give it one JSON type")
