@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable, Iterator, Optional, Union
 import numpy as np
 
 from ..loading import DEMO_DRAFT, DEMO_TARGET, resolve_model_path
+from .chat import DEFAULT_RECENT_CAP, Rendered, check_text, render_chat
 from .delivery import Mailbox
 from .output import OutputProcessor
 from .results import Chunk, Progress, Result
@@ -26,7 +27,6 @@ from .distributed import FollowerWorker, distributed_group
 from .runtime import EngineConfig, EngineInfo, load_runtime, load_target
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .chat import DEFAULT_RECENT_CAP, Rendered, check_text, render_chat
 from .state import RequestState
 
 logger = logging.getLogger(__name__)
@@ -322,8 +322,8 @@ class Engine:
         """Run a request to the end. Cancelling the awaiting task aborts it.
 
         `prompt`: a string, chat messages, a chat rendered by `chat.render_chat`, or
-        token ids. Keyword arguments: the SamplingParams fields (max_tokens, temperature, top_p,
-        top_k, min_p, repetition_penalty, seed, stop, stop_token_ids), `specprefill`
+        token ids. Keyword arguments: the SamplingParams fields (max_tokens, temperature,
+        top_p, top_k, min_p, repetition_penalty, seed, stop, stop_token_ids), `specprefill`
         (None: engine policy), `keep`, `threshold`, `tools` and `chat_template_kwargs`
         (passed to the chat template), `response_format` (constrained decoding, see
         `constrained.py`), `logits_processors` (callables `(generated, logits) -> logits`,
