@@ -389,11 +389,13 @@ def test_a_request_that_finished_before_the_timeout_fired_is_delivered_whole():
     finished: the final chunk decides, so all of it arrives and nothing is raised."""
     messages, _ = messages_for(6)
     expected = ChatSpecPrefill(max_tokens=16, specprefill=False).invoke(messages).content
-    llm = ChatSpecPrefill(max_tokens=16, specprefill=False, timeout=1.0)
-    chunks = []
+    llm = ChatSpecPrefill(max_tokens=16, specprefill=False, timeout=2.0)
+    chunks, start = [], time.perf_counter()
     for chunk in llm.stream(messages):
-        if not chunks:
-            time.sleep(2.0)  # the request finishes meanwhile; then the timer fires
+        if not chunks:  # let the request finish, then the timer fire, before reading on
+            while llm.engine.active_request_ids:
+                time.sleep(0.01)
+            time.sleep(max(0.0, start + 2.5 - time.perf_counter()))
         chunks.append(chunk)
     assert "".join(c.content for c in chunks) == expected
     assert chunks[-1].response_metadata["finish_reason"] in ("stop", "length")
