@@ -5,13 +5,14 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
+from decoding import constrained_decode
 from specprefill_engine import Engine
 from specprefill_engine.engine import constrained
 from specprefill_engine.engine.constrained import (
     allowed_tokens, check_response_format, llg_tokenizer, make_constraint,
 )
+from specprefill_engine.engine.tool_calls import ToolsNotSupportedError
 
 JOKE = {"type": "object", "properties": {"setup": {"type": "string"},
                                          "punchline": {"type": "string"}},
@@ -45,14 +46,7 @@ def decode(target, response_format, prompt="Tell me a joke.", max_tokens=80):
     processor = make_constraint(tokenizer, response_format)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                         add_generation_prompt=True, tools=TOOLS)
-    out = []
-    steps = generate_step(mx.array(ids), model, max_tokens=max_tokens,
-                          sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
-                          logits_processors=[lambda tokens, logits: processor(tokens[len(ids):], logits)])
-    for token, _ in steps:
-        if int(token) in tokenizer.eos_token_ids:
-            break
-        out.append(int(token))
+    out = constrained_decode(model, tokenizer, processor, ids, max_tokens)
     return tokenizer.decode(out), processor
 
 
@@ -79,6 +73,20 @@ def test_check_response_format_normalizes_and_refuses():
     ]:
         with pytest.raises(error, match="response_format"):
             check_response_format(bad)
+
+
+def test_reasoning_and_format_keys_are_checked():
+    thinking = check_response_format({"type": "json_object", "reasoning": "open",
+                                      "reasoning_budget": 8})
+    assert thinking == {"type": "json_object", "reasoning": "open", "reasoning_budget": 8}
+    coder = check_response_format({"type": "tool_call", "tools": TOOLS, "format": "qwen3_coder"})
+    assert coder["format"] == "qwen3_coder"
+    with pytest.raises(ValueError, match="reasoning must be one of"):
+        check_response_format({"type": "json_object", "reasoning": "maybe"})
+    with pytest.raises(ValueError, match="reasoning_budget must be an integer >= 0"):
+        check_response_format({"type": "json_object", "reasoning_budget": -1})
+    with pytest.raises(ToolsNotSupportedError, match="'mistral'"):
+        check_response_format({"type": "tool_call", "tools": TOOLS, "format": "mistral"})
 
 
 def test_llguidance_tokenizer_is_cached(target):

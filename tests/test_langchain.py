@@ -9,10 +9,12 @@ own (VCR, Anthropic-format inputs, a second model to override with).
 import asyncio
 import json
 import shutil
+import time
 
 import pytest
 from langchain_core.globals import set_llm_cache
 from langchain_core.caches import InMemoryCache
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_tests.integration_tests import ChatModelIntegrationTests
@@ -254,7 +256,7 @@ def test_tool_definitions_calls_and_results_reach_the_prompt():
     assert reply.usage_metadata["input_tokens"] > longer
 
 
-def test_bind_tools_refuses_a_template_that_cannot_render_tools(tmp_path):
+def test_tools_are_refused_for_a_template_that_cannot_render_tools(tmp_path):
     for path in DEMO_TARGET.iterdir():
         shutil.copy(path, tmp_path / path.name)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
@@ -263,8 +265,14 @@ def test_bind_tools_refuses_a_template_that_cannot_render_tools(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     llm = ChatSpecPrefill(model=str(tmp_path))
     try:
+        bound = llm.bind_tools([get_weather])  # loads nothing
         with pytest.raises(ToolsNotSupportedError, match="does not render tools"):
-            llm.bind_tools([get_weather])
+            bound.invoke("hi")
+        with pytest.raises(ToolsNotSupportedError, match="does not render tools"):
+            asyncio.run(bound.ainvoke("hi"))
+        with pytest.raises(ToolsNotSupportedError, match="does not render tools"):
+            llm.check_tools_supported()
+        assert not llm.engine.active_request_ids
     finally:
         llm.close()
 
@@ -376,6 +384,61 @@ def test_timeout_aborts_and_raises():
     assert not llm.engine.active_request_ids
 
 
+def test_a_request_that_finished_before_the_timeout_fired_is_delivered_whole():
+    """The timer fires while the caller is still reading a request that had already
+    finished: the final chunk decides, so all of it arrives and nothing is raised."""
+    messages, _ = messages_for(6)
+    expected = ChatSpecPrefill(max_tokens=16, specprefill=False).invoke(messages).content
+    llm = ChatSpecPrefill(max_tokens=16, specprefill=False, timeout=2.0)
+    chunks, start = [], time.perf_counter()
+    for chunk in llm.stream(messages):
+        if not chunks:  # let the request finish, then the timer fire, before reading on
+            while llm.engine.active_request_ids:
+                time.sleep(0.01)
+            time.sleep(max(0.0, start + 2.5 - time.perf_counter()))
+        chunks.append(chunk)
+    assert "".join(c.content for c in chunks) == expected
+    assert chunks[-1].response_metadata["finish_reason"] in ("stop", "length")
+
+
+def test_a_call_cut_by_max_tokens_is_invalid_and_says_why():
+    llm = ChatSpecPrefill(max_tokens=10).bind_tools([get_weather], tool_choice="any")
+    for message in (llm.invoke("Weather in Paris?"), asyncio.run(llm.ainvoke("Weather?"))):
+        assert message.tool_calls == [] and len(message.invalid_tool_calls) == 1
+        error = message.invalid_tool_calls[0]["error"]
+        assert "max_tokens" in error and "'length'" in error and "JSONDecodeError" in error
+    # streamed, the error travels in response_metadata (LangChain rebuilds invalid
+    # calls from chunks without one)
+    streamed = list(llm.stream("Weather in Paris?"))
+    total = sum(streamed[1:], streamed[0])
+    [call] = total.invalid_tool_calls
+    assert "max_tokens" in total.response_metadata["tool_call_errors"][call["id"]]
+
+
+def test_a_malformed_call_carries_its_parse_error():
+    tokenizer = ChatSpecPrefill().tokenizer
+    _, calls, invalid = split_tool_calls('<tool_call>\n{"name": "nope", "arguments": {}}\n'
+                                         '</tool_call><tool_call>{bad</tool_call>', tokenizer,
+                                         tools=[{"type": "function", "function": {
+                                             "name": "get_weather", "parameters": {}}}])
+    assert calls == [] and len(invalid) == 2
+    assert "no bound tool is named 'nope'" in invalid[0]["error"]
+    assert invalid[1]["error"].startswith("JSONDecodeError")
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_structured_output_cut_by_max_tokens_says_so(method):
+    llm = ChatSpecPrefill(max_tokens=6)
+    raw = llm.with_structured_output(Joke, method=method, include_raw=True).invoke("A joke?")
+    assert raw["raw"].response_metadata["finish_reason"] == "length"
+    assert raw["parsed"] is None
+    assert "max_tokens" in str(raw["parsing_error"]) and "'length'" in str(raw["parsing_error"])
+    with pytest.raises(OutputParserException, match="max_tokens"):
+        llm.with_structured_output(Joke, method=method).invoke("A joke?")
+    with pytest.raises(OutputParserException, match="max_tokens"):
+        list(llm.with_structured_output(Joke.model_json_schema(), method=method).stream("A joke?"))
+
+
 def test_per_call_model_and_unknown_kwargs_are_refused():
     llm = ChatSpecPrefill(max_tokens=2)
     with pytest.raises(ValueError, match="per-call model="):
@@ -395,7 +458,7 @@ def test_identifying_params_cover_output_settings():
     greedy, hot = ChatSpecPrefill(), ChatSpecPrefill(temperature=1.0, seed=3)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                  "max_tokens", "keep", "threshold", "specprefill", "stop", "dtype",
-                 "chat_template_kwargs", "reasoning"):
+                 "chat_template_kwargs", "reasoning", "reasoning_budget"):
         assert name in greedy._identifying_params
     assert greedy._get_llm_string() != hot._get_llm_string()
     cache = InMemoryCache()

@@ -5,7 +5,8 @@ the engine's worker thread and run the same output parser (content, `<think>`
 reasoning, tool calls), so invoke, stream and astream_events give the same message.
 Every chat model with the same (model, draft, dtype) shares one engine; `keep`,
 `threshold` and the sampling settings travel with each request. Constructing a chat
-model loads nothing.
+model loads nothing, and the async entry points never wait on the event loop: the
+model load and the chat template's one render (`engine/chat.py`) run in a thread.
 """
 
 import asyncio
@@ -13,6 +14,7 @@ import atexit
 import json
 import threading
 import uuid
+import weakref
 from operator import itemgetter
 from typing import Any, AsyncIterator, Iterator, Literal, Optional, Sequence, Union
 
@@ -21,10 +23,6 @@ from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.utils import message_chunk_to_message
-from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
-from langchain_core.output_parsers.openai_tools import (
-    JsonOutputKeyToolsParser, PydanticToolsParser,
-)
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
@@ -33,8 +31,14 @@ from pydantic import Field
 
 from specprefill_engine import Engine
 
+from specprefill_engine.engine.chat import render_chat
+from specprefill_engine.engine.constrained import TOOL_FORMATS
+from specprefill_engine.engine.tool_calls import OutputParser, ToolsNotSupportedError, tool_format
+
 from .messages import to_chat_messages
-from specprefill_engine.engine.tool_calls import OutputParser
+from .parsers import (
+    CutAwareJsonParser, CutAwarePydanticParser, CutAwarePydanticToolsParser, CutAwareToolArgsParser,
+)
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                    "repetition_penalty", "seed")
@@ -42,7 +46,7 @@ REQUEST_FIELDS = SAMPLING_FIELDS + ("keep", "threshold", "specprefill")
 # What a call (or `bind`) may pass besides the fields above.
 CALL_KWARGS = set(REQUEST_FIELDS) | {
     "stop", "tools", "tool_choice", "parallel_tool_calls", "response_format",
-    "chat_template_kwargs", "reasoning", "timeout",
+    "chat_template_kwargs", "reasoning", "reasoning_budget", "timeout",
 }
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -83,8 +87,37 @@ def _shutdown_all() -> None:
             pass
 
 
-class ToolsNotSupportedError(ValueError):
-    """The model's chat template cannot show tools to the model."""
+_tool_checks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> error
+_tool_checks_lock = threading.Lock()
+
+
+def tools_problem(tokenizer) -> Optional[str]:
+    """Why tools cannot work with this tokenizer (None: they can); cached, since it
+    renders the chat template twice."""
+    with _tool_checks_lock:
+        if tokenizer in _tool_checks:
+            return _tool_checks[tokenizer]
+    probe = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {
+        "name": "probe_tool_7f3a", "description": "probe",
+        "parameters": {"type": "object", "properties": {}}}}
+    problem = None
+    try:
+        plain = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        with_tools = tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False,
+                                                   add_generation_prompt=True)
+    except Exception as error:
+        problem = f"the chat template failed to render tools: {error}"
+    else:
+        if plain == with_tools or "probe_tool_7f3a" not in with_tools:
+            problem = ("its chat template does not render tools, so the model would never "
+                       "see them; use a model whose template supports tools")
+        elif tool_format(tokenizer) is None:
+            problem = ("mlx-lm knows no tool-call format for this tokenizer (no tool parser), "
+                       "so calls could not be read back")
+    with _tool_checks_lock:
+        _tool_checks[tokenizer] = problem
+    return problem
 
 
 def _tool_choice(choice, names: list):
@@ -145,6 +178,9 @@ class ChatSpecPrefill(BaseChatModel):
     reasoning: Optional[bool] = None
     """True / False sets the template's `enable_thinking`; None leaves the template's default.
     `<think>` blocks always go to additional_kwargs["reasoning_content"]."""
+    reasoning_budget: Optional[int] = None
+    """Most tokens a constrained reply may think before `</think>` is forced (None:
+    half of max_tokens). Applies when the prompt opens a think block."""
     parallel_tool_calls: bool = False
     """Let a forced tool-call turn hold several calls (llama.cpp's default is off too:
     small models otherwise repeat a call until max_tokens)."""
@@ -165,7 +201,8 @@ class ChatSpecPrefill(BaseChatModel):
         params = {"model": self.model_name, "draft": self.draft, "dtype": self.dtype}
         params.update({name: getattr(self, name) for name in REQUEST_FIELDS})
         params.update(stop=self.stop, chat_template_kwargs=self.chat_template_kwargs,
-                      reasoning=self.reasoning, parallel_tool_calls=self.parallel_tool_calls)
+                      reasoning=self.reasoning, reasoning_budget=self.reasoning_budget,
+                      parallel_tool_calls=self.parallel_tool_calls)
         return params
 
     @property
@@ -215,10 +252,10 @@ class ChatSpecPrefill(BaseChatModel):
                                      tools: Optional[Sequence] = None) -> int:
         """Prompt tokens of these messages as a request sends them (chat template,
         tools and generation prompt included)."""
-        chat = to_chat_messages(messages)
-        extra = {"tools": [convert_to_openai_tool(t) for t in tools]} if tools else {}
-        extra.update(self._template_kwargs({}))
-        return len(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, **extra))
+        formatted = [convert_to_openai_tool(t) for t in tools] if tools else None
+        rendered = render_chat(self.tokenizer, to_chat_messages(messages), formatted,
+                               self._template_kwargs({}))
+        return int(rendered.tokens.size)
 
     # request building -------------------------------------------------------------
 
@@ -231,7 +268,9 @@ class ChatSpecPrefill(BaseChatModel):
         return merged
 
     def _request(self, messages: list[BaseMessage], stop: Optional[list[str]], kwargs: dict):
-        """(chat messages, engine options, output parser, timeout) for one call."""
+        """(rendered prompt, engine options, output parser, timeout) for one call. Loads
+        the model on first use and renders the chat template: async callers run it in
+        a thread."""
         kwargs = dict(kwargs)
         kwargs.pop("ls_structured_output_format", None)
         if "model" in kwargs:
@@ -242,56 +281,51 @@ class ChatSpecPrefill(BaseChatModel):
         if unknown:
             raise TypeError(f"ChatSpecPrefill got unexpected keyword argument(s) {unknown}; "
                             f"it takes {sorted(CALL_KWARGS)}")
+        chat = to_chat_messages(messages)
         options = {name: kwargs.get(name, getattr(self, name)) for name in REQUEST_FIELDS}
         stops = list(self.stop or []) + list(stop or []) + list(kwargs.get("stop") or [])
         if stops:
             options["stop"] = stops
-        template_kwargs = self._template_kwargs(kwargs)
-        if template_kwargs:
-            options["chat_template_kwargs"] = template_kwargs
         tools = kwargs.get("tools") or None
         response_format = kwargs.get("response_format")
-        parse_tools = False
+        choice = "none"
+        engine = self.engine
+        tokenizer = engine.tokenizer
         if tools:
-            options["tools"] = tools
-            choice = _tool_choice(kwargs.get("tool_choice"),
-                                  [t["function"]["name"] for t in tools])
-            parse_tools = choice != "none"
-            if parse_tools and response_format is None:
+            choice = _tool_choice(kwargs.get("tool_choice"), [t["function"]["name"] for t in tools])
+            problem = tools_problem(tokenizer)
+            if problem is not None:
+                raise ToolsNotSupportedError(f"{self.model_name}: {problem}")
+            if choice != "none" and response_format is None:
                 response_format = self._tool_format(
-                    tools, choice, kwargs.get("parallel_tool_calls", self.parallel_tool_calls))
+                    tokenizer, tools, choice,
+                    kwargs.get("parallel_tool_calls", self.parallel_tool_calls))
         if response_format is not None:
+            budget = kwargs.get("reasoning_budget", self.reasoning_budget)
+            if budget is not None:
+                response_format = {**response_format, "reasoning_budget": budget}
             options["response_format"] = response_format
-        chat = to_chat_messages(messages)
-        parser = OutputParser(self.tokenizer, parse_tools=parse_tools, tools=tools,
-                              in_reasoning=self._opens_think(chat, tools, template_kwargs))
-        return chat, options, parser, kwargs.get("timeout", self.timeout)
+        rendered = render_chat(tokenizer, chat, tools, self._template_kwargs(kwargs),
+                               engine.config.recent_message_cap)
+        parser = OutputParser(tokenizer, parse_tools=choice != "none", tools=tools,
+                              in_reasoning=rendered.think_open)
+        return rendered, options, parser, kwargs.get("timeout", self.timeout)
 
-    def _tool_format(self, tools: list, choice: str, parallel) -> Optional[dict]:
-        """The engine's constrained tool-call format, for templates with Qwen markup."""
-        if self.tokenizer.tool_call_start != "<tool_call>":
+    def _tool_format(self, tokenizer, tools: list, choice: str, parallel) -> Optional[dict]:
+        """The engine's constrained tool-call format, in the markup of the tokenizer's
+        tool parser; None ("auto" in a format without a grammar: calls are only parsed)."""
+        form = tool_format(tokenizer)
+        if form not in TOOL_FORMATS:
             if choice == "auto":
-                return None  # calls are parsed, not constrained
-            raise NotImplementedError(
-                f"tool_choice={choice!r} needs constrained tool calls, which produce "
-                "<tool_call> JSON markup; this model's tool-call format is "
-                f"{self.tokenizer.tool_call_start!r}")
+                return None
+            raise ToolsNotSupportedError(
+                f"{self.model_name}: tool_choice={choice!r} needs constrained tool calls, "
+                f"which exist for the formats {list(TOOL_FORMATS)}; this model's tool-call "
+                f"format (mlx-lm parser) is {form!r}")
         if choice not in ("auto", "required"):
             choice = {"type": "function", "function": {"name": choice}}
         return {"type": "tool_call", "tools": tools, "tool_choice": choice,
-                "parallel_tool_calls": bool(parallel)}
-
-    def _opens_think(self, chat: list, tools, template_kwargs: dict) -> bool:
-        """Does the rendered prompt end inside an open think block (Qwen3 thinking)?"""
-        tokenizer = self.tokenizer
-        start = tokenizer.think_start if getattr(tokenizer, "has_thinking", False) else "<think>"
-        template = getattr(tokenizer, "chat_template", None)
-        if not isinstance(template, str) or start not in template:
-            return False
-        extra = {"tools": tools} if tools else {}
-        prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
-                                               **extra, **template_kwargs)
-        return isinstance(prompt, str) and prompt.rstrip().endswith(start)
+                "parallel_tool_calls": bool(parallel), "format": form}
 
     # messages -------------------------------------------------------------------
 
@@ -318,22 +352,29 @@ class ChatSpecPrefill(BaseChatModel):
             return AIMessageChunk(content=value)
         if kind == "reasoning":
             return AIMessageChunk(content="", additional_kwargs={"reasoning_content": value})
+        call = {"name": value.name, "args": value.args, "id": value.id, "index": value.index,
+                "type": "tool_call_chunk"}
+        if value.error is None:
+            return AIMessageChunk(content="", tool_call_chunks=[call])
         # A malformed or truncated call: its raw text as a JSON string, which LangChain
         # files under invalid_tool_calls (raw text could partly parse as an object).
-        args = value.args if value.error is None else json.dumps(value.args)
-        return AIMessageChunk(content="", tool_call_chunks=[{
-            "name": value.name, "args": args, "id": value.id, "index": value.index,
-            "type": "tool_call_chunk"}])
+        # LangChain rebuilds invalid calls from chunks without their error, so the
+        # error travels in response_metadata and is put back on the final message.
+        return AIMessageChunk(content="",
+                              tool_call_chunks=[{**call, "args": json.dumps(value.args)}],
+                              response_metadata={TOOL_CALL_ERRORS: {value.id: value.error}})
 
     def _chunks(self, chunk, parser: OutputParser, timed_out, timeout) -> list:
-        """Engine chunk -> message chunks (the last carries usage and metadata)."""
+        """Engine chunk -> message chunks (the last carries usage and metadata). The
+        final chunk decides: a request aborted by the timeout raises TimeoutError, one
+        that finished is delivered whole."""
         events = parser.feed(chunk.text)
         if chunk.finish_reason is None:
             return [self._event_chunk(kind, value) for kind, value in events]
         if chunk.finish_reason == "abort" and timed_out.is_set():
             raise TimeoutError(f"ChatSpecPrefill request exceeded timeout={timeout}s "
                                "and was aborted")
-        events += parser.finish()
+        events += parser.finish(chunk.finish_reason)
         messages = [self._event_chunk(kind, value) for kind, value in events]
         messages.append(AIMessageChunk(content="", usage_metadata=self._usage(chunk.usage),
                                        response_metadata=self._metadata(chunk),
@@ -364,14 +405,12 @@ class ChatSpecPrefill(BaseChatModel):
     # the four entry points -------------------------------------------------------
 
     def _sync_chunks(self, messages, stop, kwargs) -> Iterator[AIMessageChunk]:
-        chat, options, parser, timeout = self._request(messages, stop, kwargs)
+        prompt, options, parser, timeout = self._request(messages, stop, kwargs)
         request_id = f"lc-{uuid.uuid4().hex[:16]}"
         done, timed_out = threading.Event(), threading.Event()
         timer = self._arm(timeout, request_id, done, timed_out)
         try:
-            for chunk in self.engine.stream_sync(chat, request_id=request_id, **options):
-                if timed_out.is_set() and chunk.finish_reason is None:
-                    continue  # the abort is on its way; the final chunk raises
+            for chunk in self.engine.stream_sync(prompt, request_id=request_id, **options):
                 yield from self._chunks(chunk, parser, timed_out, timeout)
         finally:
             done.set()
@@ -379,15 +418,14 @@ class ChatSpecPrefill(BaseChatModel):
                 timer.cancel()
 
     async def _async_chunks(self, messages, stop, kwargs) -> AsyncIterator[AIMessageChunk]:
-        chat, options, parser, timeout = self._request(messages, stop, kwargs)
+        prompt, options, parser, timeout = await asyncio.to_thread(self._request, messages,
+                                                                   stop, kwargs)
         request_id = f"lc-{uuid.uuid4().hex[:16]}"
         done, timed_out = threading.Event(), threading.Event()
         timer = self._arm(timeout, request_id, done, timed_out)
-        stream = self.engine.stream(chat, request_id=request_id, **options)
+        stream = self.engine.stream(prompt, request_id=request_id, **options)
         try:
             async for chunk in stream:
-                if timed_out.is_set() and chunk.finish_reason is None:
-                    continue
                 for message in self._chunks(chunk, parser, timed_out, timeout):
                     yield message
         finally:
@@ -395,6 +433,12 @@ class ChatSpecPrefill(BaseChatModel):
             if timer is not None:
                 timer.cancel()
             await stream.aclose()
+
+    def _generate_with_cache(self, *args, **kwargs) -> ChatResult:
+        return _with_call_errors(super()._generate_with_cache(*args, **kwargs))
+
+    async def _agenerate_with_cache(self, *args, **kwargs) -> ChatResult:
+        return _with_call_errors(await super()._agenerate_with_cache(*args, **kwargs))
 
     @staticmethod
     def _result(chunks: list) -> ChatResult:
@@ -437,27 +481,11 @@ class ChatSpecPrefill(BaseChatModel):
 
     def check_tools_supported(self) -> None:
         """Raise ToolsNotSupportedError unless the chat template shows tools to the model
-        and the tokenizer knows how the model writes a tool call."""
-        tokenizer = self.tokenizer
-        probe = [{"role": "user", "content": "hi"}]
-        tool = {"type": "function", "function": {
-            "name": "probe_tool_7f3a", "description": "probe",
-            "parameters": {"type": "object", "properties": {}}}}
-        try:
-            plain = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-            with_tools = tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False,
-                                                       add_generation_prompt=True)
-        except Exception as error:
-            raise ToolsNotSupportedError(
-                f"{self.model_name}: the chat template failed to render tools: {error}") from error
-        if plain == with_tools or "probe_tool_7f3a" not in with_tools:
-            raise ToolsNotSupportedError(
-                f"{self.model_name}: its chat template does not render tools, so the model "
-                "would never see them; use a model whose template supports tools")
-        if not getattr(tokenizer, "has_tool_calling", False) or tokenizer.tool_parser is None:
-            raise ToolsNotSupportedError(
-                f"{self.model_name}: mlx-lm knows no tool-call format for this tokenizer "
-                "(no tool_call_start / tool_parser), so calls could not be read back")
+        and the tokenizer knows how the model writes a tool call. Loads the model; a
+        request with tools runs the same check (in its thread) before anything runs."""
+        problem = tools_problem(self.tokenizer)
+        if problem is not None:
+            raise ToolsNotSupportedError(f"{self.model_name}: {problem}")
 
     def bind_tools(self, tools: Sequence[Any], *,
                    tool_choice: Optional[Union[str, dict, bool]] = None,
@@ -465,9 +493,10 @@ class ChatSpecPrefill(BaseChatModel):
         """Bind tools: the template shows them to the model, calls are parsed from the
         output (also while streaming), and tool_choice is enforced by constrained
         decoding: "auto" (text, or valid calls), "any"/"required" (calls only), a tool
-        name (exactly that call), "none" (no calls parsed)."""
+        name (exactly that call), "none" (no calls parsed). Loads nothing: a model
+        whose template or tool format cannot serve the tools fails the first call with
+        ToolsNotSupportedError, before anything runs."""
         formatted = [convert_to_openai_tool(tool) for tool in tools]
-        self.check_tools_supported()
         names = [t["function"]["name"] for t in formatted]
         _tool_choice(tool_choice, names)  # validate now, not at the first call
         if parallel_tool_calls is not None:
@@ -479,13 +508,15 @@ class ChatSpecPrefill(BaseChatModel):
         method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
         include_raw: bool = False, strict: Optional[bool] = None, **kwargs: Any,
     ):
-        """Structured output through constrained decoding; the output always parses.
+        """Structured output through constrained decoding.
 
         method "json_schema" (default): the reply is JSON matching the schema.
         "json_mode": a JSON object; when a schema is given it is matched too (a local
         engine can enforce it for free). "function_calling": a forced call of a tool
         made from the schema. `strict` is accepted for compatibility: decoding is
-        always strict here.
+        always strict here. A thinking model thinks first (see `reasoning_budget`).
+        The output parses unless max_tokens cuts it: then the parser raises an
+        OutputParserException that says so (finish_reason "length").
         """
         if kwargs:
             raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
@@ -497,8 +528,9 @@ class ChatSpecPrefill(BaseChatModel):
             name = tool["function"]["name"]
             llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format={
                 "kwargs": {"method": method}, "schema": tool})
-            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic
-                      else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+            parser = (CutAwarePydanticToolsParser(tools=[schema], first_tool_only=True)
+                      if is_pydantic
+                      else CutAwareToolArgsParser(key_name=name, first_tool_only=True))
         elif method in ("json_schema", "json_mode"):
             if schema is None and method == "json_schema":
                 raise ValueError("method='json_schema' needs a schema")
@@ -512,8 +544,8 @@ class ChatSpecPrefill(BaseChatModel):
                     response_format["schema"] = json_schema
             llm = self.bind(response_format=response_format, ls_structured_output_format={
                 "kwargs": {"method": method}, "schema": json_schema})
-            parser = (PydanticOutputParser(pydantic_object=schema) if is_pydantic
-                      else JsonOutputParser())
+            parser = (CutAwarePydanticParser(pydantic_object=schema) if is_pydantic
+                      else CutAwareJsonParser())
         else:
             raise ValueError(f"method must be 'json_schema', 'json_mode' or 'function_calling', "
                              f"got {method!r}")
@@ -524,3 +556,18 @@ class ChatSpecPrefill(BaseChatModel):
         fallback = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback],
                                                              exception_key="parsing_error")
+
+
+TOOL_CALL_ERRORS = "tool_call_errors"  # response_metadata: {call id: parse error}
+
+
+def _with_call_errors(result: ChatResult) -> ChatResult:
+    """Put each invalid tool call's parse error (carried in response_metadata) on it."""
+    for generation in result.generations:
+        message = getattr(generation, "message", None)
+        errors = getattr(message, "response_metadata", {}).get(TOOL_CALL_ERRORS)
+        if errors:
+            for call in message.invalid_tool_calls:
+                if call.get("error") is None:
+                    call["error"] = errors.get(call.get("id"))
+    return result

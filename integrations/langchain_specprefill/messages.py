@@ -1,7 +1,5 @@
 """LangChain messages to the {"role", "content"} dicts chat templates take."""
 
-import json
-
 from langchain_core.messages import (
     AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage,
 )
@@ -45,11 +43,10 @@ def to_chat_messages(messages: list[BaseMessage]) -> list[dict]:
             chat.append({"role": "user", "content": _text(message.content, "user")})
         elif isinstance(message, AIMessage):
             entry = {"role": "assistant", "content": _text(message.content, "assistant")}
-            if message.tool_calls:
+            if message.tool_calls:  # arguments as objects; the renderer adapts them
                 entry["tool_calls"] = [
                     {"id": call["id"], "type": "function",
-                     "function": {"name": call["name"],
-                                  "arguments": json.dumps(call["args"], ensure_ascii=False)}}
+                     "function": {"name": call["name"], "arguments": call["args"]}}
                     for call in message.tool_calls
                 ]
             chat.append(entry)

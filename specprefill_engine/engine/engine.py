@@ -20,6 +20,7 @@ from typing import AsyncIterator, Callable, Iterator, Optional, Union
 import numpy as np
 
 from ..loading import DEMO_DRAFT, DEMO_TARGET, resolve_model_path
+from .chat import DEFAULT_RECENT_CAP, Rendered, check_text, render_chat
 from .delivery import Mailbox
 from .output import OutputProcessor
 from .results import Chunk, Progress, Result
@@ -27,51 +28,30 @@ from .distributed import FollowerWorker, distributed_group
 from .runtime import EngineConfig, EngineInfo, load_runtime, load_target
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .segments import protected_tokens
 from .state import RequestState
 
 logger = logging.getLogger(__name__)
-Prompt = Union[str, list]
-ROLES = ("system", "developer", "user", "assistant", "tool")
+Prompt = Union[str, list, Rendered]
 _ids = itertools.count()
 
 
-def _check_text(text: str, name: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(f"{name} is not valid text ({error.reason} at {error.start})") from None
-    return text
-
-
-def _check_messages(messages: list) -> list:
-    for index, message in enumerate(messages):
-        role, content = message.get("role"), message.get("content", None)
-        if role not in ROLES:
-            raise ValueError(f"messages[{index}]['role'] must be one of {ROLES}, got {role!r}")
-        if content is None and not message.get("tool_calls"):
-            raise ValueError(f"messages[{index}]['content'] is missing or None")
-        if isinstance(content, str):
-            _check_text(content, f"messages[{index}]['content']")
-        elif content is not None and not isinstance(content, list):
-            raise TypeError(f"messages[{index}]['content'] must be a string or a list of parts, "
-                            f"got {type(content).__name__}")
-    return messages
-
-
-def prompt_tokens(prompt: Prompt, tokenizer, vocab_size: int, tools: Optional[list] = None,
-                  chat_template_kwargs: Optional[dict] = None) -> np.ndarray:
-    """A string, chat messages ({"role", "content"} dicts), or token ids -> ids."""
-    if isinstance(prompt, str):
+def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: Optional[list] = None,
+                    chat_template_kwargs: Optional[dict] = None,
+                    recent_cap: int = DEFAULT_RECENT_CAP) -> tuple:
+    """A string, chat messages ({"role", "content"} dicts), a `Rendered` chat, or token
+    ids -> (ids, the Rendered chat or None). A chat's template is rendered once."""
+    rendered = None
+    if isinstance(prompt, Rendered):
+        if tools is not None or chat_template_kwargs is not None:
+            raise ValueError("a Rendered prompt holds its tools and chat_template_kwargs; "
+                             "pass them to render_chat, not to the request")
+        rendered = prompt
+    elif isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is empty")
-        ids = tokenizer.encode(_check_text(prompt, "prompt"))
+        ids = tokenizer.encode(check_text(prompt, "prompt"))
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        kwargs = dict(chat_template_kwargs or {})
-        if tools:
-            kwargs["tools"] = tools
-        ids = tokenizer.apply_chat_template(_check_messages(list(prompt)),
-                                            add_generation_prompt=True, **kwargs)
+        rendered = render_chat(tokenizer, list(prompt), tools, chat_template_kwargs, recent_cap)
     elif isinstance(prompt, (list, tuple)) and prompt and all(
         isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
     ):
@@ -82,16 +62,14 @@ def prompt_tokens(prompt: Prompt, tokenizer, vocab_size: int, tools: Optional[li
         raise ValueError("prompt is empty")
     else:
         raise TypeError(
-            "prompt must be a string, a list of chat messages, or a list of token ids; "
-            f"got {type(prompt).__name__}"
+            "prompt must be a string, a list of chat messages, a Rendered chat, or a list of "
+            f"token ids; got {type(prompt).__name__}"
         )
+    if rendered is not None:
+        ids = rendered.tokens
     if len(ids) == 0:
         raise ValueError("prompt is empty after tokenization")
-    return np.asarray(ids, dtype=np.int32)
-
-
-def _is_chat(prompt: Prompt) -> bool:
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
+    return np.asarray(ids, dtype=np.int32), rendered
 
 
 def _check_options(specprefill, keep, threshold, tools, on_progress, chat_template_kwargs):
@@ -269,13 +247,12 @@ class Engine:
                             "(generated tokens, logits) -> logits")
         if not isinstance(cache_prompt, bool):
             raise TypeError(f"cache_prompt must be True or False, got {cache_prompt!r}")
-        constraint = None
-        if response_format is not None:  # compiled here: a bad schema fails this call only
-            from .constrained import make_constraint
+        if response_format is not None:
+            from .constrained import check_response_format
 
-            constraint = make_constraint(info.tokenizer, response_format)
-        tokens = prompt_tokens(prompt, info.tokenizer, info.vocab_size, tools,
-                               chat_template_kwargs)
+            response_format = check_response_format(response_format)
+        tokens, rendered = tokenize_prompt(prompt, info.tokenizer, info.vocab_size, tools,
+                                           chat_template_kwargs, self.config.recent_message_cap)
         max_tokens, warnings = params.max_tokens, []
         if info.context_length:
             room = info.context_length - tokens.size
@@ -287,10 +264,16 @@ class Engine:
                                 f"{tokens.size} + max_tokens must fit the context of "
                                 f"{info.context_length}")
                 max_tokens = room
+        constraint = None
+        if response_format is not None:  # compiled here: a bad schema fails this call only
+            from .constrained import make_constraint, resolve_response_format
+
+            response_format = resolve_response_format(
+                response_format, info.tokenizer, rendered.think if rendered else None, max_tokens)
+            constraint = make_constraint(info.tokenizer, response_format)
         protected = None
-        if specprefill is not False and self.draft_path is not None and _is_chat(prompt):
-            protected = protected_tokens(info.tokenizer, list(prompt), tokens, tools,
-                                         chat_template_kwargs, self.config.recent_message_cap)
+        if specprefill is not False and self.draft_path is not None and rendered is not None:
+            protected = rendered.protected
         request_id = request_id or f"req-{next(_ids)}"
         logger.debug("request %s: %d prompt tokens, max_tokens %d", request_id, tokens.size,
                      max_tokens)
@@ -342,8 +325,9 @@ class Engine:
     async def generate(self, prompt: Prompt, **kwargs) -> Result:
         """Run a request to the end. Cancelling the awaiting task aborts it.
 
-        Keyword arguments: the SamplingParams fields (max_tokens, temperature, top_p,
-        top_k, min_p, repetition_penalty, seed, stop, stop_token_ids), `specprefill`
+        `prompt`: a string, chat messages, a chat rendered by `chat.render_chat`, or
+        token ids. Keyword arguments: the SamplingParams fields (max_tokens, temperature,
+        top_p, top_k, min_p, repetition_penalty, seed, stop, stop_token_ids), `specprefill`
         (None: engine policy), `keep`, `threshold`, `tools` and `chat_template_kwargs`
         (passed to the chat template), `response_format` (constrained decoding, see
         `constrained.py`), `logits_processors` (callables `(generated, logits) -> logits`,

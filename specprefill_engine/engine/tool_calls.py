@@ -8,7 +8,13 @@ them; think markers come from the wrapper too (`<think>` / `</think>` otherwise)
 certain: content and reasoning text (a possible partial marker at the end is held
 back), and each tool call once its end marker arrives. Markup never reaches the
 content; whitespace next to a removed block is dropped, other text is kept exactly.
-Every entry point (invoke, stream, ...) runs the same parser, so they agree.
+Every entry point (invoke, stream, ...) runs the same parser, so they agree. A call
+that does not parse, names no bound tool, or is cut before its end marker is an
+invalid call whose `error` says why.
+
+The tool-call format is the name of the tokenizer's mlx-lm parser module
+(`tool_format`), never guessed from the start marker: Hermes JSON, Qwen3-Coder XML
+and GLM 4.7 all open with `<tool_call>`.
 """
 
 import json
@@ -19,8 +25,29 @@ from typing import Optional
 THINK_START, THINK_END = "<think>", "</think>"
 
 
+class ToolsNotSupportedError(ValueError):
+    """Tools cannot be shown to this model, or its tool-call format cannot be
+    constrained or read back."""
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def think_markers(tokenizer) -> tuple:
+    """(start, end) of a think block: the tokenizer's own, else `<think>` / `</think>`."""
+    if getattr(tokenizer, "has_thinking", False):
+        return tokenizer.think_start, tokenizer.think_end
+    return THINK_START, THINK_END
+
+
+def tool_format(tokenizer) -> Optional[str]:
+    """The tool-call format: the mlx-lm parser module the tokenizer was loaded with
+    (`json_tools`, `qwen3_coder`, `glm47`, ...), None without one."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    if parser is None:
+        return None
+    return getattr(parser, "__module__", "").rsplit(".", 1)[-1] or None
 
 
 @dataclass
@@ -72,12 +99,11 @@ class OutputParser:
 
     def __post_init__(self):
         tok = self.tokenizer
-        has_thinking = bool(getattr(tok, "has_thinking", False))
-        self.think_start = (getattr(tok, "think_start", None) if has_thinking else None) or THINK_START
-        self.think_end = (getattr(tok, "think_end", None) if has_thinking else None) or THINK_END
+        self.think_start, self.think_end = think_markers(tok)
         self.call_start = getattr(tok, "tool_call_start", None) if self.parse_tools else None
         self.call_end = (getattr(tok, "tool_call_end", None) or "") if self.call_start else ""
         self.parser = getattr(tok, "tool_parser", None)
+        self._names = {(t.get("function") or t).get("name") for t in self.tools or []}
         self.pending = ""
         self.state = "reasoning" if self.in_reasoning else "content"
         self.channels = {"content": _Channel(), "reasoning": _Channel(strip_start=True)}
@@ -101,25 +127,40 @@ class OutputParser:
                     break
         return keep
 
-    def _call(self, body: str, out: list) -> None:
-        index, call_id = self.n_calls, new_call_id()
+    def _parse(self, body: str) -> list:
+        """[(name, arguments dict)] of one call's body; raises when it is not a call."""
+        if self.parser is None:
+            raise ValueError("the tokenizer has no tool-call parser")
+        parsed = self.parser(body, self.tools)
+        calls = []
+        for item in parsed if isinstance(parsed, list) else [parsed]:
+            arguments = item.get("arguments", {})
+            if isinstance(arguments, str):
+                arguments = json.loads(arguments)
+            if not isinstance(item.get("name"), str) or not isinstance(arguments, dict):
+                raise ValueError("a tool call needs a name and an arguments object")
+            if self.tools and item["name"] not in self._names:
+                raise ValueError(f"no bound tool is named {item['name']!r}")
+            calls.append((item["name"], arguments))
+        return calls
+
+    def _call(self, body: str, out: list, cut: Optional[str] = None) -> None:
+        """Events of one call; `cut` says why its end marker never came."""
+        index = self.n_calls
         try:
-            parsed = self.parser(body, self.tools)
-            items = parsed if isinstance(parsed, list) else [parsed]
-            for item in items:
-                arguments = item.get("arguments", {})
-                if isinstance(arguments, str):
-                    arguments = json.loads(arguments)
-                if not isinstance(item.get("name"), str) or not isinstance(arguments, dict):
-                    raise ValueError("a tool call needs a name and an arguments object")
-                out.append(("tool_call", ToolCallEvent(self.n_calls, call_id, item["name"],
-                                                       json.dumps(arguments, ensure_ascii=False))))
-                self.n_calls += 1
-                call_id = new_call_id()
+            calls = self._parse(body)
         except Exception as error:  # malformed call: reported as an invalid tool call
-            out.append(("tool_call", ToolCallEvent(index, call_id, None, body.strip(),
-                                                   f"{type(error).__name__}: {error}")))
+            reason = f"{type(error).__name__}: {error}"
+            if cut:
+                reason = f"the call was cut before {self.call_end!r} ({cut}); {reason}"
+            out.append(("tool_call", ToolCallEvent(index, new_call_id(), None, body.strip(),
+                                                   reason)))
             self.n_calls = index + 1
+            return
+        for name, arguments in calls:
+            out.append(("tool_call", ToolCallEvent(self.n_calls, new_call_id(), name,
+                                                   json.dumps(arguments, ensure_ascii=False))))
+            self.n_calls += 1
 
     def feed(self, text: str) -> list:
         out: list = []
@@ -159,12 +200,15 @@ class OutputParser:
             break
         return out
 
-    def finish(self) -> list:
-        """End of output: what was held back (an unterminated call is parsed as is)."""
+    def finish(self, finish_reason: Optional[str] = None) -> list:
+        """End of output: what was held back. An unterminated call is parsed as is;
+        when it does not parse, its error names `finish_reason` ("length": max_tokens)."""
         out: list = []
         rest, self.pending = self.pending, ""
         if self.state == "call":
-            self._call(rest, out)
+            cut = ("max_tokens reached, finish_reason 'length'" if finish_reason == "length"
+                   else f"finish_reason {finish_reason!r}" if finish_reason else "end of output")
+            self._call(rest, out, cut)
         elif rest:
             self._emit(self.state, rest, out)
         for kind in ("reasoning", "content"):
