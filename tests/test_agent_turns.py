@@ -1,5 +1,6 @@
-"""SpecPrefill across an agent's turns: the draft's prefix cache, reuse of a sparse
-turn, the coverage gate, protected chat segments, determinism, no wasted scoring."""
+"""SpecPrefill across an agent's turns (densify off: these are the sparse turns' own rules): the
+draft's prefix cache, reuse of a sparse turn, the coverage gate, protected chat segments,
+determinism, no wasted scoring."""
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ def run_turns(engine, session, steps, **options):
 
 
 def test_a_grown_prompt_reuses_the_draft_and_the_sparse_turn(session):
-    with Engine(reuse_coverage=0.5) as engine:  # the gate open enough for this session
+    with Engine(reuse_coverage=0.5, densify="off") as engine:  # the gate open enough here
         first, second, third = run_turns(engine, session, 3, specprefill=True)
         step = engine.info.step_size
     assert first.specprefill.engaged and first.usage.draft_cached_tokens == 0
@@ -50,7 +51,7 @@ def test_a_question_about_what_the_last_turn_dropped_is_selected_anew(demo_pair)
     # turn 1 asks for the fact near the start, turn 2 for the one near the end; with
     # a strict gate the stored selection cannot serve turn 2
     session = make_agent_session(tokenizer, 3, 3000, 2)
-    with Engine(reuse_coverage=0.999, keep=0.1) as engine:
+    with Engine(reuse_coverage=0.999, keep=0.1, densify="off") as engine:
         first, second = run_turns(engine, session, 2, specprefill=True)
     assert second.specprefill.engaged
     assert second.specprefill.reuse.startswith("selected anew"), second.specprefill.reuse
@@ -93,7 +94,7 @@ def test_the_same_prompt_keeps_the_same_tokens_whatever_came_before(demo_pair):
     prompt = make_case(tokenizer, 21, "registry", 2500).messages
     with Engine() as fresh:
         alone = fresh.generate_sync(prompt, max_tokens=10, specprefill=True)
-    with Engine() as used:
+    with Engine(densify="off") as used:  # the timing of a densify would change history
         # unrelated traffic that shares the chat template's start, dense and sparse
         used.generate_sync(make_case(tokenizer, 22, "passkey", 600).messages, max_tokens=4,
                            specprefill=False)
@@ -109,7 +110,7 @@ def test_the_same_prompt_keeps_the_same_tokens_whatever_came_before(demo_pair):
 def test_too_little_left_to_prefill_after_a_cached_prefix_is_not_scored(demo_pair):
     _, _, tokenizer = demo_pair
     turn1 = make_case(tokenizer, 24, "passkey", 1500).messages
-    with Engine() as engine:
+    with Engine(densify="off") as engine:
         first = engine.generate_sync(turn1, max_tokens=8, specprefill=False)
         turn2 = turn1 + [{"role": "assistant", "content": first.text},
                          {"role": "user", "content": "Say it again."}]
