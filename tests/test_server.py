@@ -250,8 +250,9 @@ def test_anthropic_messages_give_the_engines_text_with_usage_and_stop_reasons(se
 
 def test_anthropic_tool_use_thinking_and_structured_output(served):
     client = served.anthropic()
+    server_tool = {"type": "web_search_20250305", "name": "web_search"}  # left out, not fatal
     forced = client.messages.create(
-        model="m", messages=ASK, max_tokens=64, tools=ANTHROPIC_TOOLS,
+        model="m", messages=ASK, max_tokens=64, tools=ANTHROPIC_TOOLS + [server_tool],
         tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
     assert forced.stop_reason == "tool_use" and [b.type for b in forced.content] == ["tool_use"]
     use = forced.content[0]
@@ -325,18 +326,18 @@ def _events_before_first_token(served, path: str, body: dict) -> tuple:
 
 
 def test_a_long_prefill_stream_gets_keepalives_before_its_first_token(served):
-    messages, _ = case(served, 5, 6000)
+    messages, _ = case(served, 5, 1200)
     before, lines = _events_before_first_token(served, "/v1/chat/completions", {
         "model": "m", "messages": messages, "max_tokens": 2, "stream": True,
         "specprefill": False})
     assert before.count(": keep-alive") >= 1 and lines[-1] == "data: [DONE]"
-    messages, _ = case(served, 6, 6000)
+    messages, _ = case(served, 6, 1200)
     before, _ = _events_before_first_token(served, "/v1/chat/completions", {
         "model": "m", "messages": messages, "max_tokens": 2, "stream": True,
         "specprefill": False, "progress": True})
     progress = [json.loads(line[6:])["progress"] for line in before if '"progress"' in line]
     assert progress and progress[-1]["phase"] == "prefill"
-    messages, _ = case(served, 7, 6000)
+    messages, _ = case(served, 7, 1200)
     before, lines = _events_before_first_token(served, "/v1/messages", {
         "model": "m", "messages": messages, "max_tokens": 2, "stream": True,
         "specprefill": False})
@@ -345,7 +346,7 @@ def test_a_long_prefill_stream_gets_keepalives_before_its_first_token(served):
 
 
 def test_a_client_that_disconnects_aborts_its_request(served):
-    messages, _ = case(served, 8, 2000)
+    messages, _ = case(served, 8, 600)
     body = {"model": "m", "messages": messages, "max_tokens": 2000, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", served.base + "/v1/chat/completions", json=body, timeout=60,
@@ -365,15 +366,15 @@ def test_a_client_that_disconnects_aborts_its_request(served):
 
 async def test_32_streams_a_third_disconnecting_each_finished_text_is_the_engines(served):
     tokenizer = served.engine.tokenizer
-    prompts = [[dict(m) for m in make_case(tokenizer, 100 + i, "passkey", 120).messages]
+    prompts = [[dict(m) for m in make_case(tokenizer, 100 + i, "passkey", 80).messages]
                for i in range(32)]
-    direct = await asyncio.gather(*[served.engine.generate(p, max_tokens=12) for p in prompts])
+    direct = await asyncio.gather(*[served.engine.generate(p, max_tokens=8) for p in prompts])
     expected = [r.text for r in direct]
     client = served.openai(cls=openai.AsyncOpenAI)
     rng = random.Random(0)
 
     async def one(prompt, leave_after):
-        stream = await client.chat.completions.create(model="m", messages=prompt, max_tokens=12,
+        stream = await client.chat.completions.create(model="m", messages=prompt, max_tokens=8,
                                                       stream=True)
         parts = []
         async for chunk in stream:
@@ -383,9 +384,9 @@ async def test_32_streams_a_third_disconnecting_each_finished_text_is_the_engine
             parts.append(chunk.choices[0].delta.content or "")
         return "".join(parts)
 
-    for _ in range(3):
+    for _ in range(2):
         leaving = set(rng.sample(range(32), 11))
-        texts = await asyncio.gather(*[one(p, rng.randrange(0, 8) if i in leaving else None)
+        texts = await asyncio.gather(*[one(p, rng.randrange(0, 6) if i in leaving else None)
                                        for i, p in enumerate(prompts)])
         for i, text in enumerate(texts):
             if i not in leaving:

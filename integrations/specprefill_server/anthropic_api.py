@@ -14,6 +14,7 @@ Extensions as in `openai_api.py` (`keep`, `specprefill`, `progress`, ...).
 
 import asyncio
 import json
+import logging
 import uuid
 from dataclasses import asdict
 from typing import Any, Literal, Optional, Union
@@ -24,10 +25,11 @@ from starlette.responses import JSONResponse
 
 from specprefill_engine.engine.engine import prompt_tokens
 
-from .chat import Call, build_call, matched_stop
+from .chat import Call, matched_stop, prepare
 from .errors import APIError, anthropic_body
 from .streaming import EventStream, output_events, whole_result
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 ENGINE_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty",
                  "ignore_eos", "keep", "specprefill", "threshold")
@@ -169,11 +171,15 @@ def chat_messages(body: Prompt) -> list:
 
 
 def _tools(body: Prompt) -> Optional[list]:
+    """Client tools in OpenAI's function form. Anthropic's server tools (web search, code
+    execution, ...) run on Anthropic's side; here they are left out, with a warning, so
+    a client that always declares one (a coding agent) still works."""
     tools = []
     for tool in body.tools or []:
         if tool.type not in CLIENT_TOOL_TYPES:
-            raise APIError(400, f"tools: the {tool.type!r} tool is not served (only client "
-                           "tools, defined by name and input_schema)", "tools")
+            logger.warning("left out the %r tool %r: server tools are not served",
+                           tool.type, tool.name)
+            continue
         tools.append({"type": "function", "function": {
             "name": tool.name, "description": tool.description or "",
             "parameters": tool.input_schema or {"type": "object"}}})
@@ -231,8 +237,8 @@ async def messages_call(state, body: MessagesRequest) -> Call:
     if body.stop_sequences:
         options["stop"] = list(body.stop_sequences)
     choice, parallel = _tool_choice(body.tool_choice)
-    return await asyncio.to_thread(
-        build_call, state.engine.tokenizer, chat_messages(body), options, tools=_tools(body),
+    return await prepare(
+        state.engine.tokenizer, chat_messages(body), options, tools=_tools(body),
         choice=choice, parallel=parallel, response_format=_response_format(body),
         template_kwargs=_template_kwargs(body))
 

@@ -11,7 +11,6 @@ events instead of bare keep-alives). Responses carry the engine's report under
 `specprefill` and its `timings`.
 """
 
-import asyncio
 import json
 import time
 import uuid
@@ -23,7 +22,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse
 
-from .chat import Call, arguments, build_call, read_events
+from .chat import Call, arguments, prepare, read_events
 from .errors import APIError, openai_body
 from .streaming import EventStream, output_events, whole_result
 
@@ -268,8 +267,8 @@ async def chat_call(state, body: ChatRequest) -> Call:
     template = getattr(info.tokenizer, "chat_template", None) or ""
     chat = chat_messages(body.messages, "developer" in template)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
-    return await asyncio.to_thread(
-        build_call, info.tokenizer, chat, options, tools=tools,
+    return await prepare(
+        info.tokenizer, chat, options, tools=tools,
         choice=_tool_choice(body.tool_choice), parallel=body.parallel_tool_calls,
         response_format=_response_format(body.response_format),
         template_kwargs=_template_kwargs(body))

@@ -1,0 +1,187 @@
+"""What the HTTP server costs: streams through it with the `openai` client against the
+same streams from `engine.stream` directly, in one run.
+
+Workloads: 16 concurrent streams and 1 stream (passkey chats of `--prompt-tokens`
+tokens, `--tokens` new tokens each, greedy, EOS ignored so every stream makes all its
+tokens). Each repeat runs a workload on both sides, the side that goes first
+alternating: directly, `engine.stream` consumers on this process's event loop; through
+the server, a uvicorn server on 127.0.0.1 in this process (its own thread and loop)
+and `openai.AsyncOpenAI` streaming clients in a child process, so the client's parsing
+does not take the server's GIL (as a real client would not). Every run gets prompts
+of its own, so none finds another's prefix in the cache. Per run: aggregate tokens/s
+(every token over the wall time from the first request to the last token) and each
+stream's time to first token as its caller sees it. Rows: medians over the repeats;
+the server / direct ratio of aggregate tokens/s, and the added TTFT (server median
+minus direct median, per repeat, then their median).
+
+    nice -n 19 .venv/bin/python benchmarks/server.py --json docs/server-cpu.json
+"""
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
+import uvicorn
+
+from specprefill_engine import Engine
+from specprefill_engine.demo_tasks import make_case
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "integrations"))
+from specprefill_server import ServerConfig, create_app  # noqa: E402
+
+
+# the client process ----------------------------------------------------------------
+
+
+async def client_run(client, prompts: list, tokens: int) -> dict:
+    async def one(prompt):
+        sent = time.perf_counter()
+        stream = await client.chat.completions.create(
+            model="m", messages=prompt, max_tokens=tokens, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        first, made = None, 0
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content and first is None:
+                first = time.perf_counter() - sent
+            if chunk.usage is not None:
+                made = chunk.usage.completion_tokens
+        return first, made, time.perf_counter()
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*[one(p) for p in prompts])
+    return {"wall": max(r[2] for r in results) - start, "ttft": [r[0] for r in results],
+            "tokens": sum(r[1] for r in results)}
+
+
+async def client_main(base: str) -> None:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        command = json.loads(line)
+        result = await client_run(client, command["prompts"], command["tokens"])
+        print(json.dumps(result), flush=True)
+    await client.close()
+
+
+# this process ------------------------------------------------------------------------
+
+
+async def direct_run(engine: Engine, prompts: list, tokens: int) -> dict:
+    async def one(prompt):
+        sent, first, made = time.perf_counter(), None, 0
+        async for chunk in engine.stream(prompt, max_tokens=tokens, ignore_eos=True):
+            if chunk.text and first is None:
+                first = time.perf_counter() - sent
+            if chunk.usage is not None:
+                made = chunk.usage.completion_tokens
+        return first, made, time.perf_counter()
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*[one(p) for p in prompts])
+    return {"wall": max(r[2] for r in results) - start, "ttft": [r[0] for r in results],
+            "tokens": sum(r[1] for r in results)}
+
+
+def start_server(engine: Engine):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, ServerConfig()),
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def summary(streams: int, runs: dict) -> dict:
+    rate = {side: [r["tokens"] / r["wall"] for r in runs[side]] for side in runs}
+    ttft = {side: [statistics.median(r["ttft"]) for r in runs[side]] for side in runs}
+    added = [s - d for s, d in zip(ttft["server"], ttft["direct"])]
+    return {
+        "streams": streams,
+        "direct_tok_s": statistics.median(rate["direct"]),
+        "server_tok_s": statistics.median(rate["server"]),
+        "ratio": statistics.median(rate["server"]) / statistics.median(rate["direct"]),
+        "direct_ttft_ms": statistics.median(ttft["direct"]) * 1e3,
+        "server_ttft_ms": statistics.median(ttft["server"]) * 1e3,
+        "added_ttft_ms": statistics.median(added) * 1e3,
+        "added_ttft_runs_ms": [a * 1e3 for a in added],
+        "tok_s_runs": rate, "runs": runs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--client", help=argparse.SUPPRESS)  # the child process's mode
+    parser.add_argument("--streams", type=int, nargs="+", default=[16, 1])
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    if args.client:
+        asyncio.run(client_main(args.client))
+        return
+    engine = Engine()
+    engine.start_sync()
+    server, thread, base = start_server(engine)
+    client = subprocess.Popen([sys.executable, __file__, "--client", base], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    tokenizer, seeds = engine.tokenizer, iter(range(10**6))
+
+    def fresh(n: int) -> list:
+        return [[dict(m) for m in make_case(tokenizer, next(seeds), "passkey",
+                                            args.prompt_tokens).messages] for _ in range(n)]
+
+    def through_server(prompts: list) -> dict:
+        client.stdin.write(json.dumps({"prompts": prompts, "tokens": args.tokens}) + "\n")
+        client.stdin.flush()
+        return json.loads(client.stdout.readline())
+
+    through_server(fresh(2))  # warm both sides: the first requests pay one-time costs
+    loop = asyncio.new_event_loop()  # one loop for every direct run, as one caller has
+    loop.run_until_complete(direct_run(engine, fresh(2), args.tokens))
+    rows = []
+    for streams in args.streams:
+        runs = {"direct": [], "server": []}
+        for repeat in range(args.repeats):
+            order = ("direct", "server") if repeat % 2 == 0 else ("server", "direct")
+            for side in order:
+                prompts = fresh(streams)
+                run = (loop.run_until_complete(direct_run(engine, prompts, args.tokens))
+                       if side == "direct" else through_server(prompts))
+                runs[side].append(run)
+                print(f"{streams} streams, repeat {repeat}, {side}: "
+                      f"{run['tokens'] / run['wall']:.1f} tok/s, TTFT median "
+                      f"{statistics.median(run['ttft']) * 1e3:.1f} ms", file=sys.stderr,
+                      flush=True)
+        rows.append(summary(streams, runs))
+    client.stdin.close()
+    client.wait()
+    loop.close()
+    server.should_exit = True
+    thread.join()
+    print("| streams | direct tok/s | server tok/s | server / direct | direct TTFT ms | "
+          "server TTFT ms | added TTFT ms (median of repeats) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        print(f"| {row['streams']} | {row['direct_tok_s']:.1f} | {row['server_tok_s']:.1f} | "
+              f"{row['ratio']:.2f}x | {row['direct_ttft_ms']:.1f} | {row['server_ttft_ms']:.1f} "
+              f"| {row['added_ttft_ms']:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
