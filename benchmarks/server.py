@@ -38,21 +38,16 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "integrations"))
 from specprefill_server import ServerConfig, create_app  # noqa: E402
 
 
-# the client process ----------------------------------------------------------------
-
-
-async def client_run(client, prompts: list, tokens: int) -> dict:
+async def timed(prompts: list, pieces) -> dict:
+    """Run one stream per prompt, all together: wall time from the first request to the
+    last token, each stream's time to first token, the tokens made. `pieces(prompt)`
+    yields (text, completion tokens when known) as a stream arrives."""
     async def one(prompt):
-        sent = time.perf_counter()
-        stream = await client.chat.completions.create(
-            model="m", messages=prompt, max_tokens=tokens, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        first, made = None, 0
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content and first is None:
+        sent, first, made = time.perf_counter(), None, 0
+        async for text, tokens in pieces(prompt):
+            if text and first is None:
                 first = time.perf_counter() - sent
-            if chunk.usage is not None:
-                made = chunk.usage.completion_tokens
+            made = tokens if tokens is not None else made
         return first, made, time.perf_counter()
 
     start = time.perf_counter()
@@ -62,34 +57,32 @@ async def client_run(client, prompts: list, tokens: int) -> dict:
 
 
 async def client_main(base: str) -> None:
+    """The child process: a run per line of stdin, its result a line of stdout."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         command = json.loads(line)
-        result = await client_run(client, command["prompts"], command["tokens"])
-        print(json.dumps(result), flush=True)
+
+        async def pieces(prompt):
+            stream = await client.chat.completions.create(
+                model="m", messages=prompt, max_tokens=command["tokens"], stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                yield (chunk.choices[0].delta.content if chunk.choices else None,
+                       chunk.usage.completion_tokens if chunk.usage else None)
+
+        print(json.dumps(await timed(command["prompts"], pieces)), flush=True)
     await client.close()
 
 
-# this process ------------------------------------------------------------------------
-
-
 async def direct_run(engine: Engine, prompts: list, tokens: int) -> dict:
-    async def one(prompt):
-        sent, first, made = time.perf_counter(), None, 0
+    async def pieces(prompt):
         async for chunk in engine.stream(prompt, max_tokens=tokens, ignore_eos=True):
-            if chunk.text and first is None:
-                first = time.perf_counter() - sent
-            if chunk.usage is not None:
-                made = chunk.usage.completion_tokens
-        return first, made, time.perf_counter()
+            yield chunk.text, chunk.usage.completion_tokens if chunk.usage else None
 
-    start = time.perf_counter()
-    results = await asyncio.gather(*[one(p) for p in prompts])
-    return {"wall": max(r[2] for r in results) - start, "ttft": [r[0] for r in results],
-            "tokens": sum(r[1] for r in results)}
+    return await timed(prompts, pieces)
 
 
 def start_server(engine: Engine):

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse
 
 from specprefill_engine.engine.engine import prompt_tokens
 
-from .chat import Call, matched_stop, prepare
+from .chat import Call, Extensions, Loose, matched_stop, prepare, report
 from .errors import APIError, anthropic_body
 from .streaming import EventStream, output_events, whole_result
 
@@ -35,10 +35,6 @@ ENGINE_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_p
                  "ignore_eos", "keep", "specprefill", "threshold")
 CLIENT_TOOL_TYPES = (None, "custom")
 UNREAD_BLOCKS = ("redacted_thinking",)  # carry nothing a local model can read
-
-
-class Loose(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
 class Tool(Loose):
@@ -79,22 +75,14 @@ class Prompt(BaseModel):
     mcp_servers: Optional[list] = None  # refused when not empty
 
 
-class MessagesRequest(Prompt):
+class MessagesRequest(Prompt, Extensions):
     max_tokens: int = Field(ge=1)
     stop_sequences: Optional[list[str]] = None
     stream: bool = False
     temperature: Optional[float] = Field(None, ge=0, le=1)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=0)
-    # extensions
-    seed: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    ignore_eos: Optional[bool] = None
-    keep: Optional[float] = None
-    specprefill: Optional[bool] = None
-    threshold: Optional[int] = None
-    progress: bool = False
+    seed: Optional[int] = None  # an extension here
 
 
 # requests --------------------------------------------------------------------------
@@ -261,10 +249,6 @@ def stop(state, call: Call, final, called: bool) -> dict:
     return {"stop_reason": "stop_sequence" if sequence else "end_turn", "stop_sequence": sequence}
 
 
-def extensions(final) -> dict:
-    return {"specprefill": asdict(final.specprefill), "timings": asdict(final.timings)}
-
-
 def tool_use(call) -> dict:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.args)}
 
@@ -350,7 +334,7 @@ async def message_stream(state, body: MessagesRequest, call: Call, message_id: s
                 yield close()
             yield sse("message_delta", {
                 "type": "message_delta", "delta": stop(state, call, value, called),
-                "usage": usage(value.usage), **extensions(value)})
+                "usage": usage(value.usage), **report(value)})
             yield sse("message_stop", {"type": "message_stop"})
 
 
@@ -362,13 +346,13 @@ async def messages(body: MessagesRequest, request: Request):
     if body.stream:
         return EventStream(message_stream(state, body, call, message_id), stream_error,
                            MessagesRequest.model_fields)
-    result = await whole_result(state.engine, state.gate, call, message_id, request.receive)
+    result = await whole_result(request, call, message_id)
     content = blocks(call.read(call.parser(state.engine.tokenizer), result.text, True))
     called = any(block["type"] == "tool_use" for block in content)
     return JSONResponse({
         "id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
         "content": content, **stop(state, call, result, called),
-        "usage": usage(result.usage), **extensions(result), "warnings": result.warnings})
+        "usage": usage(result.usage), **report(result), "warnings": result.warnings})
 
 
 @router.post("/v1/messages/count_tokens")

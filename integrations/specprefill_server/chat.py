@@ -12,14 +12,40 @@ to text costs tens of microseconds), or in a thread when a grammar must be check
 
 import asyncio
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
+
+from pydantic import BaseModel, ConfigDict
 
 from specprefill_engine.engine.tool_calls import THINK_START, OutputParser
 
 from .errors import APIError
 
 HERMES_CALL_START = "<tool_call>"
+
+
+class Loose(BaseModel):
+    """A request part that may carry fields this server does not read."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class Extensions(BaseModel):
+    """Request fields both APIs take beyond their own: engine sampling settings,
+    SpecPrefill per request, and `progress` (prefill progress in place of keep-alives)."""
+
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: Optional[bool] = None
+    keep: Optional[float] = None
+    specprefill: Optional[bool] = None
+    threshold: Optional[int] = None
+    progress: bool = False
+
+
+def report(final) -> dict:
+    """The engine's report and timings: the responses' extension fields."""
+    return {"specprefill": asdict(final.specprefill), "timings": asdict(final.timings)}
 
 
 @dataclass

@@ -19,10 +19,10 @@ from typing import Any, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from mlx_lm.sample_utils import make_logits_processors
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from starlette.responses import JSONResponse
 
-from .chat import Call, arguments, prepare, read_events
+from .chat import Call, Extensions, Loose, arguments, prepare, read_events, report
 from .errors import APIError, openai_body
 from .streaming import EventStream, output_events, whole_result
 
@@ -31,10 +31,6 @@ ENGINE_FIELDS = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_p
                  "ignore_eos", "keep", "specprefill", "threshold")
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FINISH = {"stop": "stop", "length": "length"}
-
-
-class Loose(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
 class Function(Loose):
@@ -71,7 +67,7 @@ class StreamOptions(Loose):
     include_usage: bool = False
 
 
-class Common(BaseModel):
+class Common(Extensions):
     """What chat completions and completions share."""
 
     model_config = ConfigDict(extra="forbid")
@@ -89,15 +85,7 @@ class Common(BaseModel):
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
-    # extensions
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    ignore_eos: Optional[bool] = None
-    keep: Optional[float] = None
-    specprefill: Optional[bool] = None
-    threshold: Optional[int] = None
-    progress: bool = False
+    top_k: Optional[int] = None  # an extension here
 
 
 class ChatRequest(Common):
@@ -280,10 +268,6 @@ def usage(u) -> dict:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
-def extensions(final) -> dict:
-    return {"specprefill": asdict(final.specprefill), "timings": asdict(final.timings)}
-
-
 def _call_json(call) -> dict:
     return {"id": call.id, "type": "function",
             "function": {"name": call.name, "arguments": call.args}}
@@ -297,58 +281,60 @@ def stream_error(error: APIError) -> bytes:
     return b"data: " + json.dumps(openai_body(error)).encode() + b"\n\n"
 
 
-async def chat_stream(state, body: ChatRequest, call: Call, response_id: str):
-    engine, config = state.engine, state.config
+async def sse(state, body: Common, call: Call, response_id: str, object_: str, choices):
+    """The SSE frame both endpoints share: keep-alives and progress while the prefill
+    runs, `choices(kind, value)` -> the choice JSON texts of one output event, the
+    engine's report after the last one, the usage chunk, `[DONE]`."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    head = ('data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
-            % (response_id, int(time.time()), json.dumps(state.model_name)))
-    tail = (',"usage":null}\n\n' if include_usage else "}\n\n")
-
-    def delta(text: str, finish: str = "null", extra: str = "") -> bytes:
-        return (f'{head}"choices":[{{"index":0,"delta":{text},"logprobs":null,'
-                f'"finish_reason":{finish}}}]{extra}{tail}').encode()
-
-    opened, calls = False, False
-    async for kind, value in output_events(engine, state.gate, call, response_id,
-                                           config.keepalive, body.progress):
+    head = ('data: {"id":"%s","object":"%s","created":%d,"model":%s,'
+            % (response_id, object_, int(time.time()), json.dumps(state.model_name)))
+    tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
+    async for kind, value in output_events(state.engine, state.gate, call, response_id,
+                                           state.config.keepalive, body.progress):
         if kind == "ping":
             yield b": keep-alive\n\n"
-            continue
-        if kind == "progress":
+        elif kind == "progress":
             yield f'{head}"choices":[],"progress":{json.dumps(asdict(value))}{tail}'.encode()
-            continue
-        if not opened:
-            opened = True
-            yield delta('{"role":"assistant","content":""}')
-        if kind == "content":
-            yield delta('{"content":%s}' % json.dumps(value))
-        elif kind == "reasoning":
-            yield delta('{"reasoning_content":%s}' % json.dumps(value))
-        elif kind == "tool_call":
-            if value.error is not None:
-                yield delta('{"content":%s}' % json.dumps(value.args))
-                continue
-            calls = True
-            entry = dict(_call_json(value), index=value.index)
-            yield delta(json.dumps({"tool_calls": [entry]}))
+        elif kind != "end":
+            for choice in choices(kind, value):
+                yield f'{head}"choices":[{choice}]{tail}'.encode()
         else:
-            extra = "," + json.dumps(extensions(value))[1:-1]
-            yield delta("{}", json.dumps(_finish(value.finish_reason, calls)), extra)
+            extra = json.dumps(report(value))[1:-1]
+            for choice in choices(kind, value):
+                yield f'{head}"choices":[{choice}],{extra}{tail}'.encode()
             if include_usage:
-                yield (f'{head}"choices":[],"usage":{json.dumps(usage(value.usage))}}}\n\n'
-                       ).encode()
+                yield f'{head}"choices":[],"usage":{json.dumps(usage(value.usage))}}}\n\n'.encode()
     yield b"data: [DONE]\n\n"
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatRequest, request: Request):
-    state = request.app.state.server
-    call = await chat_call(state, body)
-    response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    if body.stream:
-        return EventStream(chat_stream(state, body, call, response_id), stream_error,
-                           ChatRequest.model_fields)
-    result = await whole_result(state.engine, state.gate, call, response_id, request.receive)
+def chat_choices():
+    """Output events -> chat.completion.chunk choices (a role delta opens the reply)."""
+    opened, called = False, False
+
+    def delta(text: str, finish: str = "null") -> str:
+        return f'{{"index":0,"delta":{text},"logprobs":null,"finish_reason":{finish}}}'
+
+    def choices(kind: str, value) -> list:
+        nonlocal opened, called
+        out = [] if opened else [delta('{"role":"assistant","content":""}')]
+        opened = True
+        if kind == "content" or (kind == "tool_call" and value.error is not None):
+            out.append(delta('{"content":%s}' % json.dumps(
+                value if kind == "content" else value.args)))
+        elif kind == "reasoning":
+            out.append(delta('{"reasoning_content":%s}' % json.dumps(value)))
+        elif kind == "tool_call":
+            called = True
+            out.append(delta(json.dumps({"tool_calls": [dict(_call_json(value),
+                                                             index=value.index)]})))
+        else:
+            out.append(delta("{}", json.dumps(_finish(value.finish_reason, called))))
+        return out
+
+    return choices
+
+
+def chat_reply(state, call: Call, response_id: str, result) -> JSONResponse:
     output = read_events(call.read(call.parser(state.engine.tokenizer), result.text, True))
     message = {"role": "assistant", "content": output.content or
                (None if output.calls else ""), "refusal": None}
@@ -361,7 +347,18 @@ async def chat_completions(body: ChatRequest, request: Request):
         "model": state.model_name,
         "choices": [{"index": 0, "message": message, "logprobs": None,
                      "finish_reason": _finish(result.finish_reason, bool(output.calls))}],
-        "usage": usage(result.usage), **extensions(result), "warnings": result.warnings})
+        "usage": usage(result.usage), **report(result), "warnings": result.warnings})
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request):
+    state = request.app.state.server
+    call = await chat_call(state, body)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    if body.stream:
+        return EventStream(sse(state, body, call, response_id, "chat.completion.chunk",
+                               chat_choices()), stream_error, ChatRequest.model_fields)
+    return chat_reply(state, call, response_id, await whole_result(request, call, response_id))
 
 
 # completions -----------------------------------------------------------------------
@@ -375,28 +372,12 @@ def _prompt(prompt) -> Union[str, list]:
     return prompt
 
 
-async def completion_stream(state, body: CompletionRequest, call: Call, response_id: str):
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    head = ('data: {"id":"%s","object":"text_completion","created":%d,"model":%s,'
-            % (response_id, int(time.time()), json.dumps(state.model_name)))
-    async for kind, value in output_events(state.engine, state.gate, call, response_id,
-                                           state.config.keepalive, body.progress):
-        if kind == "ping":
-            yield b": keep-alive\n\n"
-        elif kind == "progress":
-            yield f'{head}"choices":[],"progress":{json.dumps(asdict(value))}}}\n\n'.encode()
-        elif kind == "content":
-            yield (f'{head}"choices":[{{"text":{json.dumps(value)},"index":0,'
-                   f'"logprobs":null,"finish_reason":null}}]}}\n\n').encode()
-        elif kind == "end":
-            extra = json.dumps(extensions(value))[1:-1]
-            reason = json.dumps(FINISH.get(value.finish_reason, value.finish_reason))
-            yield (f'{head}"choices":[{{"text":"","index":0,"logprobs":null,'
-                   f'"finish_reason":{reason}}}],{extra}}}\n\n').encode()
-            if include_usage:
-                yield (f'{head}"choices":[],"usage":{json.dumps(usage(value.usage))}}}\n\n'
-                       ).encode()
-    yield b"data: [DONE]\n\n"
+def text_choices(kind: str, value) -> list:
+    """Output events -> text_completion choices."""
+    text, finish = (value, None) if kind == "content" else ("", FINISH.get(
+        value.finish_reason, value.finish_reason))
+    return [f'{{"text":{json.dumps(text)},"index":0,"logprobs":null,'
+            f'"finish_reason":{json.dumps(finish)}}}']
 
 
 @router.post("/v1/completions")
@@ -406,12 +387,12 @@ async def completions(body: CompletionRequest, request: Request):
     call = Call(_prompt(body.prompt), options, stops=tuple(options.get("stop") or ()), raw=True)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
-        return EventStream(completion_stream(state, body, call, response_id), stream_error,
-                           CompletionRequest.model_fields)
-    result = await whole_result(state.engine, state.gate, call, response_id, request.receive)
+        return EventStream(sse(state, body, call, response_id, "text_completion", text_choices),
+                           stream_error, CompletionRequest.model_fields)
+    result = await whole_result(request, call, response_id)
     return JSONResponse({
         "id": response_id, "object": "text_completion", "created": int(time.time()),
         "model": state.model_name,
         "choices": [{"text": result.text, "index": 0, "logprobs": None,
                      "finish_reason": FINISH.get(result.finish_reason, result.finish_reason)}],
-        "usage": usage(result.usage), **extensions(result), "warnings": result.warnings})
+        "usage": usage(result.usage), **report(result), "warnings": result.warnings})

@@ -110,23 +110,30 @@ async def output_events(engine, gate: Gate, call: Call, request_id: str, keepali
             await chunks.aclose()
 
 
-async def whole_result(engine, gate: Gate, call: Call, request_id: str, receive) -> Result:
+async def race(*coroutines) -> list:
+    """Run them until the first ends, then cancel the others and wait for them."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return tasks
+
+
+async def whole_result(request, call: Call, request_id: str) -> Result:
     """A request run to its Result; the client leaving aborts it."""
-    with gate.admitted(request_id):
-        task = asyncio.ensure_future(engine.generate(call.prompt, request_id=request_id,
-                                                     **call.options))
-        watcher = asyncio.ensure_future(until_disconnected(receive))
-        try:
-            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for running in (task, watcher):
-                running.cancel()
-            await asyncio.gather(task, watcher, return_exceptions=True)
+    state = request.app.state.server
+    with state.gate.admitted(request_id):
+        task, _ = await race(state.engine.generate(call.prompt, request_id=request_id,
+                                                   **call.options),
+                             until_disconnected(request.receive))
         if task.cancelled():
             raise ClientGone()
         result = task.result()
         if result.finish_reason == "abort":
-            raise gate.aborted()
+            raise state.gate.aborted()
         return result
 
 
@@ -145,14 +152,7 @@ class EventStream(Response):
         self.events, self.error_event, self.fields = events, error_event, fields
 
     async def __call__(self, scope, receive, send) -> None:
-        producer = asyncio.ensure_future(self._produce(scope, receive, send))
-        watcher = asyncio.ensure_future(until_disconnected(receive))
-        try:
-            await asyncio.wait((producer, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (producer, watcher):
-                task.cancel()
-            await asyncio.gather(producer, watcher, return_exceptions=True)
+        producer, _ = await race(self._produce(scope, receive, send), until_disconnected(receive))
         error = producer.exception() if producer.done() and not producer.cancelled() else None
         if error is not None and not isinstance(error, OSError):  # OSError: the client left
             raise error
