@@ -119,6 +119,14 @@ def test_openai_chat_gives_the_engines_text_streamed_or_not_with_usage(served):
                        {"role": "user", "content": "Say it again."}]
     second = client.chat.completions.create(model="m", messages=turn, max_tokens=4)
     assert second.usage.prompt_tokens_details.cached_tokens >= 256
+    # reasoning_effort opens the template's think block: the demo model never closes it
+    thought = client.chat.completions.create(model="m", messages=ASK, max_tokens=6,
+                                             reasoning_effort="high").choices[0].message
+    assert thought.content == "" and thought.model_extra["reasoning_content"]
+    streamed = [c.choices[0].delta for c in client.chat.completions.create(
+        model="m", messages=ASK, max_tokens=6, reasoning_effort="high", stream=True) if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in streamed) == \
+        thought.model_extra["reasoning_content"]
 
 
 def test_openai_tool_calls_forced_named_streamed_and_auto(served):
