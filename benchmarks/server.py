@@ -10,11 +10,15 @@ and `openai.AsyncOpenAI` streaming clients in a child process, so the client's p
 does not take the server's GIL (as a real client would not). Every run gets prompts
 of its own, so none finds another's prefix in the cache. Per run: aggregate tokens/s
 (every token over the wall time from the first request to the last token) and each
-stream's time to first token as its caller sees it. Rows: medians over the repeats;
-the server / direct ratio of aggregate tokens/s, and the added TTFT (server median
-minus direct median, per repeat, then their median).
+stream's time to first token as its caller sees it, and its path time: that TTFT
+less the engine's own (`timings.time_to_first_token`, from the moment the request was
+ready on the worker), i.e. what the way in and out adds, without the prefill's noise.
+Rows: medians over the repeats; the server / direct ratio of aggregate tokens/s, the
+added TTFT and the added path time (server median minus direct median, per repeat,
+then their median).
 
     nice -n 19 .venv/bin/python benchmarks/server.py --json docs/server-cpu.json
+    python benchmarks/server.py --shape qwen3-8b --json out.json   # GPU, random weights
 """
 
 import argparse
@@ -31,6 +35,7 @@ from pathlib import Path
 import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
 import uvicorn
 
+from random_models import random_model_dir
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_case
 
@@ -40,20 +45,23 @@ from specprefill_server import ServerConfig, create_app  # noqa: E402
 
 async def timed(prompts: list, pieces) -> dict:
     """Run one stream per prompt, all together: wall time from the first request to the
-    last token, each stream's time to first token, the tokens made. `pieces(prompt)`
-    yields (text, completion tokens when known) as a stream arrives."""
+    last token, each stream's time to first token, the tokens made, and each stream's
+    path time (its TTFT less the engine's own, measured on the worker from the moment
+    the request was ready: what parsing, tokenizing and delivery add, free of the
+    prefill's noise). `pieces(prompt)` yields (text, final timings and usage or None)."""
     async def one(prompt):
-        sent, first, made = time.perf_counter(), None, 0
-        async for text, tokens in pieces(prompt):
+        sent, first, final = time.perf_counter(), None, None
+        async for text, last in pieces(prompt):
             if text and first is None:
                 first = time.perf_counter() - sent
-            made = tokens if tokens is not None else made
-        return first, made, time.perf_counter()
+            final = last or final
+        return first, final, time.perf_counter()
 
     start = time.perf_counter()
     results = await asyncio.gather(*[one(p) for p in prompts])
     return {"wall": max(r[2] for r in results) - start, "ttft": [r[0] for r in results],
-            "tokens": sum(r[1] for r in results)}
+            "path": [r[0] - r[1]["ttft"] for r in results],
+            "tokens": sum(r[1]["tokens"] for r in results)}
 
 
 async def client_main(base: str) -> None:
@@ -69,9 +77,14 @@ async def client_main(base: str) -> None:
             stream = await client.chat.completions.create(
                 model="m", messages=prompt, max_tokens=command["tokens"], stream=True,
                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            timings = None
             async for chunk in stream:
-                yield (chunk.choices[0].delta.content if chunk.choices else None,
-                       chunk.usage.completion_tokens if chunk.usage else None)
+                if chunk.choices:
+                    timings = (chunk.model_extra or {}).get("timings") or timings
+                    yield chunk.choices[0].delta.content, None
+                elif chunk.usage is not None:
+                    yield None, {"tokens": chunk.usage.completion_tokens,
+                                 "ttft": timings["time_to_first_token"]}
 
         print(json.dumps(await timed(command["prompts"], pieces)), flush=True)
     await client.close()
@@ -80,13 +93,18 @@ async def client_main(base: str) -> None:
 async def direct_run(engine: Engine, prompts: list, tokens: int) -> dict:
     async def pieces(prompt):
         async for chunk in engine.stream(prompt, max_tokens=tokens, ignore_eos=True):
-            yield chunk.text, chunk.usage.completion_tokens if chunk.usage else None
+            yield chunk.text, chunk.usage and {"tokens": chunk.usage.completion_tokens,
+                                               "ttft": chunk.timings.time_to_first_token}
 
     return await timed(prompts, pieces)
 
 
 def start_server(engine: Engine):
-    sock = socket.socket()
+    """uvicorn on a free port of 127.0.0.1, in a thread. The socket names its protocol
+    (IPPROTO_TCP), as the sockets uvicorn binds itself do: asyncio turns Nagle's
+    algorithm off only for those, and with it on every response waits ~40 ms for the
+    client's delayed ACK."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(engine, ServerConfig()),
                                            log_level="warning"))
@@ -100,7 +118,9 @@ def start_server(engine: Engine):
 def summary(streams: int, runs: dict) -> dict:
     rate = {side: [r["tokens"] / r["wall"] for r in runs[side]] for side in runs}
     ttft = {side: [statistics.median(r["ttft"]) for r in runs[side]] for side in runs}
+    path = {side: [statistics.median(r["path"]) for r in runs[side]] for side in runs}
     added = [s - d for s, d in zip(ttft["server"], ttft["direct"])]
+    added_path = [s - d for s, d in zip(path["server"], path["direct"])]
     return {
         "streams": streams,
         "direct_tok_s": statistics.median(rate["direct"]),
@@ -110,6 +130,10 @@ def summary(streams: int, runs: dict) -> dict:
         "server_ttft_ms": statistics.median(ttft["server"]) * 1e3,
         "added_ttft_ms": statistics.median(added) * 1e3,
         "added_ttft_runs_ms": [a * 1e3 for a in added],
+        "direct_path_ms": statistics.median(path["direct"]) * 1e3,
+        "server_path_ms": statistics.median(path["server"]) * 1e3,
+        "added_path_ms": statistics.median(added_path) * 1e3,
+        "added_path_runs_ms": [a * 1e3 for a in added_path],
         "tok_s_runs": rate, "runs": runs,
     }
 
@@ -121,12 +145,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--shape", help="random-weight Qwen3 target of this shape (e.g. "
+                        "qwen3-8b), prefilled densely; default: the demo pair")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     if args.client:
         asyncio.run(client_main(args.client))
         return
-    engine = Engine()
+    engine = Engine(random_model_dir(args.shape)) if args.shape else Engine()
     engine.start_sync()
     server, thread, base = start_server(engine)
     client = subprocess.Popen([sys.executable, __file__, "--client", base], text=True,
@@ -165,13 +191,14 @@ def main() -> None:
     loop.close()
     server.should_exit = True
     thread.join()
-    print("| streams | direct tok/s | server tok/s | server / direct | direct TTFT ms | "
-          "server TTFT ms | added TTFT ms (median of repeats) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| streams | direct tok/s | server tok/s | server / direct | TTFT ms direct / server "
+          "| added TTFT ms | path ms direct / server | added path ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         print(f"| {row['streams']} | {row['direct_tok_s']:.1f} | {row['server_tok_s']:.1f} | "
-              f"{row['ratio']:.2f}x | {row['direct_ttft_ms']:.1f} | {row['server_ttft_ms']:.1f} "
-              f"| {row['added_ttft_ms']:.1f} |")
+              f"{row['ratio']:.2f}x | {row['direct_ttft_ms']:.1f} / {row['server_ttft_ms']:.1f} "
+              f"| {row['added_ttft_ms']:.1f} | {row['direct_path_ms']:.2f} / "
+              f"{row['server_path_ms']:.2f} | {row['added_path_ms']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 
