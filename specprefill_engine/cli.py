@@ -229,10 +229,8 @@ def cmd_serve(args) -> int:
     served = logging.getLogger("specprefill_server")
     served.addHandler(handler)
     served.setLevel(args.log_level.upper())
-    http = server(engine, config, args.host, args.port, log_level=args.log_level)
-    http.run()
-    if not http.started:
-        raise UsageError("the server did not start (see the log above)")
+    # a model that fails to load or a port in use: uvicorn logs why and exits with 3
+    server(engine, config, args.host, args.port, log_level=args.log_level).run()
     return 0
 
 

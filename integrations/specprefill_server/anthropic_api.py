@@ -287,7 +287,7 @@ async def message_stream(state, body: MessagesRequest, call: Call, message_id: s
         "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": 0, "output_tokens": 0, "cache_creation_input_tokens": 0,
                   "cache_read_input_tokens": 0}}})
-    index, open_type, started, called = -1, None, False, False
+    index, open_type, called = -1, None, False
 
     def close() -> bytes:
         nonlocal open_type
@@ -296,10 +296,9 @@ async def message_stream(state, body: MessagesRequest, call: Call, message_id: s
 
     async for kind, value in output_events(state.engine, state.gate, call, message_id,
                                            state.config.keepalive, body.progress):
-        if not started:
-            started = True
+        if kind == "open":
             yield start
-        if kind == "ping":
+        elif kind == "ping":
             yield PING
         elif kind == "progress":
             yield sse("ping", {"type": "ping", "progress": asdict(value)})

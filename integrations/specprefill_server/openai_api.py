@@ -281,57 +281,58 @@ def stream_error(error: APIError) -> bytes:
     return b"data: " + json.dumps(openai_body(error)).encode() + b"\n\n"
 
 
-async def sse(state, body: Common, call: Call, response_id: str, object_: str, choices):
-    """The SSE frame both endpoints share: keep-alives and progress while the prefill
-    runs, `choices(kind, value)` -> the choice JSON texts of one output event, the
-    engine's report after the last one, the usage chunk, `[DONE]`."""
+async def sse(state, body: Common, call: Call, response_id: str, object_: str, choice,
+              opening: Optional[str] = None):
+    """The SSE frame both endpoints share: the `opening` choice (None: a comment) once
+    the engine has the request, keep-alives and progress while the prefill runs,
+    `choice(kind, value)` -> the choice JSON text of one output event, the engine's
+    report after the last one, the usage chunk, `[DONE]`."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     head = ('data: {"id":"%s","object":"%s","created":%d,"model":%s,'
             % (response_id, object_, int(time.time()), json.dumps(state.model_name)))
     tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
     async for kind, value in output_events(state.engine, state.gate, call, response_id,
                                            state.config.keepalive, body.progress):
-        if kind == "ping":
+        if kind == "ping" or (kind == "open" and opening is None):
             yield b": keep-alive\n\n"
+        elif kind == "open":
+            yield f'{head}"choices":[{opening}]{tail}'.encode()
         elif kind == "progress":
             yield f'{head}"choices":[],"progress":{json.dumps(asdict(value))}{tail}'.encode()
         elif kind != "end":
-            for choice in choices(kind, value):
-                yield f'{head}"choices":[{choice}]{tail}'.encode()
+            yield f'{head}"choices":[{choice(kind, value)}]{tail}'.encode()
         else:
             extra = json.dumps(report(value))[1:-1]
-            for choice in choices(kind, value):
-                yield f'{head}"choices":[{choice}],{extra}{tail}'.encode()
+            yield f'{head}"choices":[{choice(kind, value)}],{extra}{tail}'.encode()
             if include_usage:
                 yield f'{head}"choices":[],"usage":{json.dumps(usage(value.usage))}}}\n\n'.encode()
     yield b"data: [DONE]\n\n"
 
 
+def _delta(text: str, finish: str = "null") -> str:
+    return f'{{"index":0,"delta":{text},"logprobs":null,"finish_reason":{finish}}}'
+
+
+ROLE_DELTA = _delta('{"role":"assistant","content":""}')  # opens a reply, as OpenAI's does
+
+
 def chat_choices():
-    """Output events -> chat.completion.chunk choices (a role delta opens the reply)."""
-    opened, called = False, False
+    """Output events -> chat.completion.chunk choices (the last one says "tool_calls"
+    when the reply made calls)."""
+    called = False
 
-    def delta(text: str, finish: str = "null") -> str:
-        return f'{{"index":0,"delta":{text},"logprobs":null,"finish_reason":{finish}}}'
-
-    def choices(kind: str, value) -> list:
-        nonlocal opened, called
-        out = [] if opened else [delta('{"role":"assistant","content":""}')]
-        opened = True
+    def choice(kind: str, value) -> str:
+        nonlocal called
         if kind == "content" or (kind == "tool_call" and value.error is not None):
-            out.append(delta('{"content":%s}' % json.dumps(
-                value if kind == "content" else value.args)))
-        elif kind == "reasoning":
-            out.append(delta('{"reasoning_content":%s}' % json.dumps(value)))
-        elif kind == "tool_call":
+            return _delta('{"content":%s}' % json.dumps(value if kind == "content" else value.args))
+        if kind == "reasoning":
+            return _delta('{"reasoning_content":%s}' % json.dumps(value))
+        if kind == "tool_call":
             called = True
-            out.append(delta(json.dumps({"tool_calls": [dict(_call_json(value),
-                                                             index=value.index)]})))
-        else:
-            out.append(delta("{}", json.dumps(_finish(value.finish_reason, called))))
-        return out
+            return _delta(json.dumps({"tool_calls": [dict(_call_json(value), index=value.index)]}))
+        return _delta("{}", json.dumps(_finish(value.finish_reason, called)))
 
-    return choices
+    return choice
 
 
 def chat_reply(state, call: Call, response_id: str, result) -> JSONResponse:
@@ -357,7 +358,8 @@ async def chat_completions(body: ChatRequest, request: Request):
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         return EventStream(sse(state, body, call, response_id, "chat.completion.chunk",
-                               chat_choices()), stream_error, ChatRequest.model_fields)
+                               chat_choices(), ROLE_DELTA), stream_error,
+                           ChatRequest.model_fields)
     return chat_reply(state, call, response_id, await whole_result(request, call, response_id))
 
 
@@ -372,12 +374,12 @@ def _prompt(prompt) -> Union[str, list]:
     return prompt
 
 
-def text_choices(kind: str, value) -> list:
+def text_choice(kind: str, value) -> str:
     """Output events -> text_completion choices."""
     text, finish = (value, None) if kind == "content" else ("", FINISH.get(
         value.finish_reason, value.finish_reason))
-    return [f'{{"text":{json.dumps(text)},"index":0,"logprobs":null,'
-            f'"finish_reason":{json.dumps(finish)}}}']
+    return (f'{{"text":{json.dumps(text)},"index":0,"logprobs":null,'
+            f'"finish_reason":{json.dumps(finish)}}}')
 
 
 @router.post("/v1/completions")
@@ -387,7 +389,7 @@ async def completions(body: CompletionRequest, request: Request):
     call = Call(_prompt(body.prompt), options, stops=tuple(options.get("stop") or ()), raw=True)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
-        return EventStream(sse(state, body, call, response_id, "text_completion", text_choices),
+        return EventStream(sse(state, body, call, response_id, "text_completion", text_choice),
                            stream_error, CompletionRequest.model_fields)
     result = await whole_result(request, call, response_id)
     return JSONResponse({

@@ -3,9 +3,9 @@ client disconnects, and the SSE response.
 
 A streamed response's status is decided by its first event: a request the engine
 refuses (a bad value, a prompt too long) gets the API's JSON error with a 4xx, not a
-200 stream. Headers go out with the first token, or with the first keep-alive once the
-engine has taken the request (it is among `engine.active_request_ids`, or its prefill
-reported progress). A client that goes away (ASGI `http.disconnect`) cancels the
+200 stream. Headers go out once the engine has taken the request (it is among
+`engine.active_request_ids`, or its prefill reported progress), or with the first
+token. A client that goes away (ASGI `http.disconnect`) cancels the
 request's task, and leaving the engine's stream aborts the request on the worker.
 """
 
@@ -22,6 +22,7 @@ from .chat import Call
 from .errors import APIError, classify, error_body
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+OPEN_POLL_S = 0.001  # the first look at whether the engine has taken a request
 
 
 class ClientGone(Exception):
@@ -73,10 +74,13 @@ async def until_disconnected(receive) -> None:
 
 async def output_events(engine, gate: Gate, call: Call, request_id: str, keepalive: float,
                         progress: bool = False) -> AsyncIterator[tuple]:
-    """A streamed request as ("ping", None) / ("progress", Progress) while it waits for
-    its first token, then the parser's ("content" | "reasoning" | "tool_call", value)
-    events, then ("end", final chunk, its token_ids those of the whole reply). Progress
-    replaces a ping when the client asked."""
+    """A streamed request as events: ("open", None) once the engine has taken it (the
+    response's headers can go: the request is valid), then, while it waits for its first
+    token, ("ping", None) every `keepalive` seconds, or ("progress", Progress) when the
+    client asked for it and the prefill moved; then the parser's ("content" |
+    "reasoning" | "tool_call", value) events, then ("end", final chunk, its token_ids
+    those of the whole reply). Whether the engine has it is polled at 1, 2, 4, ... ms:
+    the headers then reach the client while the prefill runs, not with the first token."""
     with gate.admitted(request_id):
         parser = call.parser(engine.tokenizer)
         seen = []
@@ -84,14 +88,22 @@ async def output_events(engine, gate: Gate, call: Call, request_id: str, keepali
         chunks = engine.stream(call.prompt, **options)
         pending = asyncio.ensure_future(chunks.__anext__())
         try:
-            sent = 0
-            while not (await asyncio.wait((pending,), timeout=keepalive))[0]:
-                if progress and len(seen) > sent:
+            wait, opened, sent = OPEN_POLL_S, False, 0
+            while not (await asyncio.wait((pending,), timeout=wait))[0]:
+                if not opened:
+                    if seen or request_id in engine.active_request_ids:
+                        opened, wait = True, keepalive
+                        yield "open", None
+                    else:
+                        wait = min(wait * 2, keepalive)
+                elif progress and len(seen) > sent:
                     sent = len(seen)
                     yield "progress", seen[-1]
-                elif seen or request_id in engine.active_request_ids:
+                else:
                     yield "ping", None
             chunk = pending.result()
+            if not opened:
+                yield "open", None
             tokens = []
             while True:
                 tokens += chunk.token_ids
