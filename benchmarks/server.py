@@ -15,7 +15,11 @@ less the engine's own (`timings.time_to_first_token`, from the moment the reques
 ready on the worker), i.e. what the way in and out adds, without the prefill's noise.
 Rows: medians over the repeats; the server / direct ratio of aggregate tokens/s, the
 added TTFT and the added path time (server median minus direct median, per repeat,
-then their median).
+then their median), and CPU time per token of the thread that runs the event loop
+(directly: the callers' loop; through the server: uvicorn's, which parses, translates
+and writes) and of the client process: the server's own cost, which other jobs on
+the machine do not stretch the way they stretch wall time (the worker's work is the
+same on both sides).
 
     nice -n 19 .venv/bin/python benchmarks/server.py --json docs/server-cpu.json
     python benchmarks/server.py --shape qwen3-8b --json out.json   # GPU, random weights
@@ -57,11 +61,12 @@ async def timed(prompts: list, pieces) -> dict:
             final = last or final
         return first, final, time.perf_counter()
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     results = await asyncio.gather(*[one(p) for p in prompts])
     return {"wall": max(r[2] for r in results) - start, "ttft": [r[0] for r in results],
             "path": [r[0] - r[1]["ttft"] for r in results],
-            "tokens": sum(r[1]["tokens"] for r in results)}
+            "tokens": sum(r[1]["tokens"] for r in results),
+            "process_cpu": time.process_time() - cpu}
 
 
 async def client_main(base: str) -> None:
@@ -96,23 +101,36 @@ async def direct_run(engine: Engine, prompts: list, tokens: int) -> dict:
             yield chunk.text, chunk.usage and {"tokens": chunk.usage.completion_tokens,
                                                "ttft": chunk.timings.time_to_first_token}
 
-    return await timed(prompts, pieces)
+    cpu = time.thread_time()
+    run = await timed(prompts, pieces)
+    run["loop_cpu"] = time.thread_time() - cpu  # this thread runs the callers' event loop
+    return run
 
 
 def start_server(engine: Engine):
-    """uvicorn on a free port of 127.0.0.1, in a thread. The socket names its protocol
-    (IPPROTO_TCP), as the sockets uvicorn binds itself do: asyncio turns Nagle's
-    algorithm off only for those, and with it on every response waits ~40 ms for the
-    client's delayed ACK."""
+    """uvicorn on a free port of 127.0.0.1, on its own loop in a thread. The socket names
+    its protocol (IPPROTO_TCP), as the sockets uvicorn binds itself do: asyncio turns
+    Nagle's algorithm off only for those, and with it on every response waits ~40 ms for
+    the client's delayed ACK."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(engine, ServerConfig()),
                                            log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete,
+                              args=(server.serve(sockets=[sock]),), daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return server, thread, loop, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def loop_cpu(loop) -> float:
+    """CPU seconds the thread running `loop` has used."""
+    async def read():
+        return time.thread_time()
+
+    return asyncio.run_coroutine_threadsafe(read(), loop).result()
 
 
 def summary(streams: int, runs: dict) -> dict:
@@ -121,6 +139,8 @@ def summary(streams: int, runs: dict) -> dict:
     path = {side: [statistics.median(r["path"]) for r in runs[side]] for side in runs}
     added = [s - d for s, d in zip(ttft["server"], ttft["direct"])]
     added_path = [s - d for s, d in zip(path["server"], path["direct"])]
+    cpu = {side: [r["loop_cpu"] / r["tokens"] for r in runs[side]] for side in runs}
+    client_cpu = [r["client_cpu"] / r["tokens"] for r in runs["server"]]
     return {
         "streams": streams,
         "direct_tok_s": statistics.median(rate["direct"]),
@@ -134,6 +154,8 @@ def summary(streams: int, runs: dict) -> dict:
         "server_path_ms": statistics.median(path["server"]) * 1e3,
         "added_path_ms": statistics.median(added_path) * 1e3,
         "added_path_runs_ms": [a * 1e3 for a in added_path],
+        "loop_cpu_ms_per_token": {side: statistics.median(v) * 1e3 for side, v in cpu.items()},
+        "client_cpu_ms_per_token": statistics.median(client_cpu) * 1e3,
         "tok_s_runs": rate, "runs": runs,
     }
 
@@ -154,7 +176,7 @@ def main() -> None:
         return
     engine = Engine(random_model_dir(args.shape)) if args.shape else Engine()
     engine.start_sync()
-    server, thread, base = start_server(engine)
+    server, thread, server_loop, base = start_server(engine)
     client = subprocess.Popen([sys.executable, __file__, "--client", base], text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     tokenizer, seeds = engine.tokenizer, iter(range(10**6))
@@ -164,9 +186,13 @@ def main() -> None:
                                             args.prompt_tokens).messages] for _ in range(n)]
 
     def through_server(prompts: list) -> dict:
+        cpu = loop_cpu(server_loop)
         client.stdin.write(json.dumps({"prompts": prompts, "tokens": args.tokens}) + "\n")
         client.stdin.flush()
-        return json.loads(client.stdout.readline())
+        run = json.loads(client.stdout.readline())
+        run["client_cpu"] = run.pop("process_cpu")
+        run["loop_cpu"] = loop_cpu(server_loop) - cpu
+        return run
 
     through_server(fresh(2))  # warm both sides: the first requests pay one-time costs
     loop = asyncio.new_event_loop()  # one loop for every direct run, as one caller has
@@ -191,14 +217,18 @@ def main() -> None:
     loop.close()
     server.should_exit = True
     thread.join()
+    server_loop.close()
     print("| streams | direct tok/s | server tok/s | server / direct | TTFT ms direct / server "
-          "| added TTFT ms | path ms direct / server | added path ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| added TTFT ms | path ms direct / server | added path ms | event loop CPU "
+          "ms/token direct / server | client CPU ms/token |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
+        cpu = row["loop_cpu_ms_per_token"]
         print(f"| {row['streams']} | {row['direct_tok_s']:.1f} | {row['server_tok_s']:.1f} | "
               f"{row['ratio']:.2f}x | {row['direct_ttft_ms']:.1f} / {row['server_ttft_ms']:.1f} "
               f"| {row['added_ttft_ms']:.1f} | {row['direct_path_ms']:.2f} / "
-              f"{row['server_path_ms']:.2f} | {row['added_path_ms']:.2f} |")
+              f"{row['server_path_ms']:.2f} | {row['added_path_ms']:.2f} | "
+              f"{cpu['direct']:.2f} / {cpu['server']:.2f} | {row['client_cpu_ms_per_token']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 
