@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up specprefill-engine in ./.venv: OpenBLAS (Linux, when apt is usable), then the
-# package with its dev, LangChain, benchmark and VLM extras. Safe to run again.
+# package with its dev, LangChain, benchmark, VLM and server extras. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ "$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q libopenblas; then
@@ -12,4 +12,4 @@ if [ "$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q libopenblas;
 fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[dev,langchain,bench,vlm]"
+.venv/bin/python -m pip install -q -e ".[dev,langchain,bench,vlm,server]"

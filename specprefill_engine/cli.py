@@ -1,7 +1,9 @@
-"""`specprefill-engine`: ask questions about long files, chat, demo, bench, eval."""
+"""`specprefill-engine`: ask questions about long files, chat, demo, bench, eval, serve."""
 
 import argparse
 import json
+import logging
+import os
 import sys
 import tempfile
 from dataclasses import asdict
@@ -14,6 +16,7 @@ EXAMPLES = """examples:
   specprefill-engine chat
   specprefill-engine bench                     # quick TTFT: dense vs SpecPrefill vs mlx-lm
   specprefill-engine eval                      # quick accuracy: dense vs SpecPrefill vs random
+  specprefill-engine serve --port 8000         # OpenAI- and Anthropic-compatible HTTP server
 """
 
 
@@ -197,6 +200,40 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """The HTTP server (`integrations/specprefill_server`); runs until SIGINT / SIGTERM."""
+    try:
+        from specprefill_server import ServerConfig, server
+    except ImportError as error:
+        raise UsageError(f"serve needs the server extra: pip install "
+                         f"'specprefill-engine[server]' ({error})") from None
+    from .engine import Engine
+
+    given = {name: getattr(args, name) for name in ("keepalive", "max_queued", "drain_timeout",
+                                                    "max_body_bytes", "max_batch_size")
+             if getattr(args, name) is not None}  # the rest: the settings' own defaults
+    batch = {"max_batch_size": given.pop("max_batch_size")} if "max_batch_size" in given else {}
+    try:
+        config = ServerConfig(model_name=args.served_model_name, api_key=args.api_key or None,
+                              **given)
+        engine = Engine(model=args.model, draft=args.draft, keep=args.keep,
+                        threshold=args.threshold, **batch)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
+        print(f"warning: serving on {args.host} without an API key: anyone who can reach "
+              "the port can use the model (set --api-key or SPECPREFILL_API_KEY)",
+              file=sys.stderr)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    served = logging.getLogger("specprefill_server")
+    served.addHandler(handler)
+    served.setLevel(args.log_level.upper())
+    # a model that fails to load or a port in use: uvicorn logs why and exits with 3
+    server(engine, config, args.host, args.port, log_level=args.log_level).run()
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", help="target model: local path or Hugging Face id (default: bundled demo)")
@@ -237,6 +274,27 @@ def parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--cases", type=int, default=5, help="cases per task kind and length")
     evaluate.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.3])
     evaluate.set_defaults(run=cmd_eval)
+    serve = commands.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
+    for name in ("--model", "--draft", "--keep", "--threshold"):
+        serve._add_action(next(a for a in common._actions if name in a.option_strings))
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("SPECPREFILL_API_KEY"),
+                       help="require this key (Authorization: Bearer or x-api-key); default: "
+                       "$SPECPREFILL_API_KEY")
+    serve.add_argument("--served-model-name", help="the model id clients see (default: the "
+                       "model's folder name)")
+    serve.add_argument("--max-batch-size", type=int, help="streams decoded together (default 32)")
+    serve.add_argument("--max-queued", type=int, help="requests allowed to wait beyond the "
+                       "batch; more get 429 (default: no bound, they wait)")
+    serve.add_argument("--keepalive", type=float,
+                       help="seconds between keep-alives while a stream prefills (default 5)")
+    serve.add_argument("--drain-timeout", type=float, help="at SIGINT/SIGTERM, seconds running "
+                       "requests may finish in before they are aborted (default 30)")
+    serve.add_argument("--max-body-bytes", type=int, help="request body limit (default 32 MiB)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(run=cmd_serve)
     return top
 
 

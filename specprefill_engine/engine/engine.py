@@ -234,7 +234,7 @@ class Engine:
     def _prepare(self, prompt: Prompt, emit: Callable, stream: bool, *, specprefill=None,
                  keep=None, threshold=None, tools=None, request_id=None, on_progress=None,
                  response_format=None, chat_template_kwargs=None, logits_processors=None,
-                 cache_prompt=True, **sampling) -> RequestState:
+                 cache_prompt=True, clamp_max_tokens=True, **sampling) -> RequestState:
         """Validate and tokenize on the caller's side; the worker gets a ready state."""
         info = self.info
         params = SamplingParams(**sampling)
@@ -247,6 +247,8 @@ class Engine:
                             "(generated tokens, logits) -> logits")
         if not isinstance(cache_prompt, bool):
             raise TypeError(f"cache_prompt must be True or False, got {cache_prompt!r}")
+        if not isinstance(clamp_max_tokens, bool):
+            raise TypeError(f"clamp_max_tokens must be True or False, got {clamp_max_tokens!r}")
         if response_format is not None:
             from .constrained import check_response_format
 
@@ -259,6 +261,10 @@ class Engine:
             if room < 1:
                 raise ValueError(f"prompt is {tokens.size} tokens, longer than the model's "
                                  f"context of {info.context_length} (no room to generate)")
+            if max_tokens > room and not clamp_max_tokens:
+                raise ValueError(f"prompt is {tokens.size} tokens and max_tokens is {max_tokens}: "
+                                 f"together more than the model's context of "
+                                 f"{info.context_length}")
             if max_tokens > room:
                 warnings.append(f"max_tokens clamped from {max_tokens} to {room}: prompt "
                                 f"{tokens.size} + max_tokens must fit the context of "
@@ -332,7 +338,9 @@ class Engine:
         (passed to the chat template), `response_format` (constrained decoding, see
         `constrained.py`), `logits_processors` (callables `(generated, logits) -> logits`,
         mlx-lm's convention, for this request only), `cache_prompt` (False: neither
-        read nor fill the prefix cache), `request_id`, and `on_progress(Progress)`.
+        read nor fill the prefix cache), `clamp_max_tokens` (False: a max_tokens past
+        the context raises ValueError instead of being clamped, as HTTP APIs answer),
+        `request_id`, and `on_progress(Progress)`.
         """
         events = self._events(prompt, False, kwargs)
         try:

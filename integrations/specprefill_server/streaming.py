@@ -1,0 +1,196 @@
+"""Requests in flight: admission (overload, drain), keep-alives before the first token,
+client disconnects, and the SSE response.
+
+A streamed response's status is decided by its first event: a request the engine
+refuses (a bad value, a prompt too long) gets the API's JSON error with a 4xx, not a
+200 stream. Headers go out once the engine has taken the request (it is among
+`engine.active_request_ids`, or its prefill reported progress), or with the first
+token. A client that goes away (ASGI `http.disconnect`) cancels the
+request's task, and leaving the engine's stream aborts the request on the worker.
+"""
+
+import asyncio
+import contextlib
+from dataclasses import replace
+from typing import AsyncIterator, Callable, Optional
+
+from starlette.responses import JSONResponse, Response
+
+from specprefill_engine.engine.results import Result
+
+from .chat import Call
+from .errors import APIError, classify, error_body
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+OPEN_POLL_S = 0.001  # the first look at whether the engine has taken a request
+
+
+class ClientGone(Exception):
+    """The client disconnected; its request was aborted and nobody reads an answer."""
+
+
+class Gate:
+    """The server's requests in flight: refuses new ones past a bound (429) or while
+    draining (503), and aborts the ones left when a drain runs out of time."""
+
+    def __init__(self, engine, limit: Optional[int]):
+        self.engine, self.limit = engine, limit
+        self.active: set = set()
+        self.draining = False
+
+    @contextlib.contextmanager
+    def admitted(self, request_id: str):
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if self.limit is not None and len(self.active) >= self.limit:
+            raise APIError(429, f"the server has {len(self.active)} requests in flight, its "
+                           f"limit; retry later", code="overloaded")
+        self.active.add(request_id)
+        try:
+            yield request_id
+        finally:
+            self.active.discard(request_id)
+
+    def aborted(self) -> APIError:
+        why = "the server is shutting down" if self.draining else "the engine stopped it"
+        return APIError(503, f"the request was aborted: {why}", code="aborted")
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests; after `timeout` seconds abort those still running (their
+        streams end with an error event)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self.active):
+            self.engine.abort(request_id)
+
+
+async def until_disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def output_events(engine, gate: Gate, call: Call, request_id: str, keepalive: float,
+                        progress: bool = False) -> AsyncIterator[tuple]:
+    """A streamed request as events: ("open", None) once the engine has taken it (the
+    response's headers can go: the request is valid), then, while it waits for its first
+    token, ("ping", None) every `keepalive` seconds, or ("progress", Progress) when the
+    client asked for it and the prefill moved; then the parser's ("content" |
+    "reasoning" | "tool_call", value) events, then ("end", final chunk, its token_ids
+    those of the whole reply). Whether the engine has it is polled at 1, 2, 4, ... ms:
+    the headers then reach the client while the prefill runs, not with the first token."""
+    with gate.admitted(request_id):
+        parser = call.parser(engine.tokenizer)
+        seen = []
+        options = dict(call.options, request_id=request_id, on_progress=seen.append)
+        chunks = engine.stream(call.prompt, **options)
+        pending = asyncio.ensure_future(chunks.__anext__())
+        try:
+            wait, opened, sent = OPEN_POLL_S, False, 0
+            while not (await asyncio.wait((pending,), timeout=wait))[0]:
+                if not opened:
+                    if seen or request_id in engine.active_request_ids:
+                        opened, wait = True, keepalive
+                        yield "open", None
+                    else:
+                        wait = min(wait * 2, keepalive)
+                elif progress and len(seen) > sent:
+                    sent = len(seen)
+                    yield "progress", seen[-1]
+                else:
+                    yield "ping", None
+            chunk = pending.result()
+            if not opened:
+                yield "open", None
+            tokens = []
+            while True:
+                tokens += chunk.token_ids
+                for event in call.read(parser, chunk.text, chunk.finish_reason is not None):
+                    yield event
+                if chunk.finish_reason is not None:
+                    if chunk.finish_reason == "abort":
+                        raise gate.aborted()
+                    yield "end", replace(chunk, token_ids=tokens)
+                    return
+                chunk = await chunks.__anext__()
+        finally:
+            if not pending.done():
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+            await chunks.aclose()
+
+
+async def race(*coroutines) -> list:
+    """Run them until the first ends, then cancel the others and wait for them."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return tasks
+
+
+async def whole_result(request, call: Call, request_id: str) -> Result:
+    """A request run to its Result; the client leaving aborts it."""
+    state = request.app.state.server
+    with state.gate.admitted(request_id):
+        task, _ = await race(state.engine.generate(call.prompt, request_id=request_id,
+                                                   **call.options),
+                             until_disconnected(request.receive))
+        if task.cancelled():
+            raise ClientGone()
+        result = task.result()
+        if result.finish_reason == "abort":
+            raise state.gate.aborted()
+        return result
+
+
+class EventStream(Response):
+    """An SSE response whose status waits for its first event (see the module doc).
+
+    `events` yields encoded SSE text; an error it raises before its first event is
+    answered as the API's JSON error, one after it as `error_event(APIError)`."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], error_event: Callable[[APIError], bytes],
+                 fields=()):
+        self.status_code, self.background = 200, None
+        self.init_headers(SSE_HEADERS)  # no body: no content-length
+        self.events, self.error_event, self.fields = events, error_event, fields
+
+    async def __call__(self, scope, receive, send) -> None:
+        producer, _ = await race(self._produce(scope, receive, send), until_disconnected(receive))
+        error = producer.exception() if producer.done() and not producer.cancelled() else None
+        if error is not None and not isinstance(error, OSError):  # OSError: the client left
+            raise error
+
+    async def _produce(self, scope, receive, send) -> None:
+        events = self.events
+        try:
+            try:
+                first = await events.__anext__()
+            except StopAsyncIteration:
+                first = b""
+            except Exception as error:
+                api = classify(error, self.fields)
+                headers = {"retry-after": "1"} if api.status == 429 else None
+                response = JSONResponse(error_body(api, scope["path"]), api.status, headers)
+                await response(scope, receive, send)
+                return
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            try:
+                async for part in events:
+                    await send({"type": "http.response.body", "body": part, "more_body": True})
+            except Exception as error:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": self.error_event(classify(error, self.fields))})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await events.aclose()
