@@ -1,9 +1,14 @@
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# what the engine keeps across processes (the policy's observed costs) starts empty here,
+# so no test depends on what an earlier run measured
+os.environ["SPECPREFILL_CACHE_DIR"] = tempfile.mkdtemp(prefix="specprefill-tests-")
 
 import specprefill_engine  # noqa: E402,F401  (loads the optimized BLAS before MLX)
 

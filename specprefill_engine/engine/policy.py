@@ -4,7 +4,8 @@ prefills the engine runs anyway. No timed prefill runs on a request's path.
 A prefill of L tokens after C cached entries costs W = 2 * parameters * L FLOPs in the
 weights and A = 4 * layers * heads * head_dim * (L*C + L^2/2) in attention. Its time is
 fit per model as t = a*W + b*A (least squares, a, b >= 0) over that model's recent
-prefills (every scoring and target prefill adds one). Until a model has prefills of two
+prefills (every scoring and target prefill adds one, but a process's first of each
+model, which pays one-time costs: kernel compiles on a GPU, buffer allocations). Until a model has prefills of two
 lengths, both terms share one rate (its observed seconds per FLOP, or the other model's,
 or, before anything ran, any: then only the FLOP ratio decides). So a process's first
 request is decided from the shapes, and the fits take over as requests run. The
@@ -99,8 +100,12 @@ class CostModel:
     target: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     draft: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     path: Optional[Path] = None  # where the observations persist
+    warm: set = field(default_factory=set)  # models whose first prefill has been seen
 
     def observe(self, which: str, tokens: int, cached: int, seconds: float) -> None:
+        if which not in self.warm:  # a process's first prefill of a model pays one-time costs
+            self.warm.add(which)
+            return
         if tokens > 0 and seconds > 0:
             getattr(self, which).append((int(tokens), int(cached), float(seconds)))
 
