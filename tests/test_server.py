@@ -26,6 +26,7 @@ import pytest
 import uvicorn
 from pydantic import BaseModel
 
+from chat_templates import CODER_TEMPLATE, DEMO_TEMPLATE, demo_variant
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.engine.state import RequestState
@@ -182,6 +183,21 @@ def test_openai_structured_output_parses(served):
     assert isinstance(json.loads(loose.choices[0].message.content), dict)
 
 
+def test_a_thinking_reply_thinks_then_keeps_the_format(served):
+    """With the template's think block open, the format holds after the thinking (the
+    demo model never closes it: `</think>` is forced at the budget, half of max_tokens)."""
+    parsed = served.openai().chat.completions.parse(
+        model="m", messages=ASK, max_tokens=60, response_format=Answer,
+        reasoning_effort="high").choices[0].message
+    assert parsed.model_extra["reasoning_content"] and isinstance(parsed.parsed, Answer)
+    schema = Answer.model_json_schema()
+    reply = served.anthropic().messages.create(
+        model="m", messages=ASK, max_tokens=60, thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert [b.type for b in reply.content] == ["thinking", "text"]
+    assert isinstance(json.loads(reply.content[1].text)["passkey"], int)
+
+
 def test_openai_errors_are_the_clients_own_exceptions(served):
     client = served.openai()
     with pytest.raises(openai.BadRequestError) as bad:
@@ -213,8 +229,8 @@ def test_openai_errors_are_the_clients_own_exceptions(served):
 
 
 def test_a_schema_that_does_not_compile_is_a_400_and_the_engine_goes_on(served):
-    """The engine accepts {"type": "foo"} and then fails on its worker, which stops the
-    whole engine: the server checks the grammar first."""
+    """The engine compiles the grammar when it takes the request: {"type": "foo"} is a
+    ValueError naming response_format there, never a worker failure."""
     client = served.openai()
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}
     with pytest.raises(openai.BadRequestError, match="response_format"):
@@ -225,6 +241,46 @@ def test_a_schema_that_does_not_compile_is_a_400_and_the_engine_goes_on(served):
         client.chat.completions.create(model="m", messages=ASK, max_tokens=4, tools=tool,
                                        tool_choice="required")
     assert client.chat.completions.create(model="m", messages=ASK, max_tokens=2).choices
+
+
+def test_tool_calls_in_the_models_own_format(tmp_path):
+    """Forced calls are written and read in the tokenizer's format (Qwen3-Coder XML
+    here); a format without a call grammar gets a 400 for a forced choice only."""
+    short = {"type": "object", "properties": {"location": {"type": "string", "maxLength": 16}},
+             "required": ["location"]}  # XML strings are free text up to their closing tag
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": short}}]
+    coder = Served(Engine(demo_variant(tmp_path / "coder", CODER_TEMPLATE, "qwen3_coder"),
+                          draft=None), ServerConfig())
+    try:
+        client = coder.openai()
+        forced = client.chat.completions.create(
+            model="m", messages=ASK, tools=tools, max_tokens=64, parallel_tool_calls=False,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert forced.choices[0].finish_reason == "tool_calls"
+        call = forced.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        assert isinstance(json.loads(call.function.arguments)["location"], str)
+        use = coder.anthropic().messages.create(
+            model="m", messages=ASK, max_tokens=64, tools=[{"name": "get_weather",
+                                                            "input_schema": short}],
+            tool_choice={"type": "any", "disable_parallel_tool_use": True})
+        assert [b.type for b in use.content] == ["tool_use"] and use.stop_reason == "tool_use"
+        assert isinstance(use.content[0].input["location"], str)
+    finally:
+        coder.stop()
+    pythonic = Served(Engine(demo_variant(tmp_path / "pythonic", DEMO_TEMPLATE, "pythonic"),
+                             draft=None), ServerConfig())
+    try:
+        client = pythonic.openai()
+        with pytest.raises(openai.BadRequestError, match="'pythonic'") as refused:
+            client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=4,
+                                           tool_choice="required")
+        assert refused.value.body["param"] == "tool_choice"
+        auto = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS,
+                                              max_tokens=4)
+        assert auto.choices[0].message.content is not None  # parsed, not constrained
+    finally:
+        pythonic.stop()
 
 
 def test_completions_models_and_health(served):

@@ -14,7 +14,6 @@ import atexit
 import json
 import threading
 import uuid
-import weakref
 from operator import itemgetter
 from typing import Any, AsyncIterator, Iterator, Literal, Optional, Sequence, Union
 
@@ -31,9 +30,10 @@ from pydantic import Field
 
 from specprefill_engine import Engine
 
-from specprefill_engine.engine.chat import render_chat
-from specprefill_engine.engine.constrained import TOOL_FORMATS
-from specprefill_engine.engine.tool_calls import OutputParser, ToolsNotSupportedError, tool_format
+from specprefill_engine.engine.chat import render_chat, tools_problem
+from specprefill_engine.engine.tool_calls import (
+    OutputParser, ToolsNotSupportedError, check_tool_choice, tool_choice_format,
+)
 
 from .messages import to_chat_messages
 from .parsers import (
@@ -85,59 +85,6 @@ def _shutdown_all() -> None:
             engine.shutdown_sync()
         except Exception:  # pragma: no cover - best effort at exit
             pass
-
-
-_tool_checks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> error
-_tool_checks_lock = threading.Lock()
-
-
-def tools_problem(tokenizer) -> Optional[str]:
-    """Why tools cannot work with this tokenizer (None: they can); cached, since it
-    renders the chat template twice."""
-    with _tool_checks_lock:
-        if tokenizer in _tool_checks:
-            return _tool_checks[tokenizer]
-    probe = [{"role": "user", "content": "hi"}]
-    tool = {"type": "function", "function": {
-        "name": "probe_tool_7f3a", "description": "probe",
-        "parameters": {"type": "object", "properties": {}}}}
-    problem = None
-    try:
-        plain = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-        with_tools = tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False,
-                                                   add_generation_prompt=True)
-    except Exception as error:
-        problem = f"the chat template failed to render tools: {error}"
-    else:
-        if plain == with_tools or "probe_tool_7f3a" not in with_tools:
-            problem = ("its chat template does not render tools, so the model would never "
-                       "see them; use a model whose template supports tools")
-        elif tool_format(tokenizer) is None:
-            problem = ("mlx-lm knows no tool-call format for this tokenizer (no tool parser), "
-                       "so calls could not be read back")
-    with _tool_checks_lock:
-        _tool_checks[tokenizer] = problem
-    return problem
-
-
-def _tool_choice(choice, names: list):
-    """LangChain's tool_choice values -> 'auto', 'none', 'required' or a tool name."""
-    if choice is None or choice == "auto":
-        return "auto"
-    if choice == "none" or choice is False:
-        return "none"
-    if choice in ("any", "required") or choice is True:
-        return "required"
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") or choice.get("name")
-    elif isinstance(choice, str):
-        name = choice
-    else:
-        raise ValueError(f"tool_choice must be 'auto', 'any', 'required', 'none' or a tool "
-                         f"name; got {choice!r}")
-    if name not in names:
-        raise ValueError(f"tool_choice {name!r} is not one of the bound tools {names}")
-    return name
 
 
 class ChatSpecPrefill(BaseChatModel):
@@ -292,12 +239,13 @@ class ChatSpecPrefill(BaseChatModel):
         engine = self.engine
         tokenizer = engine.tokenizer
         if tools:
-            choice = _tool_choice(kwargs.get("tool_choice"), [t["function"]["name"] for t in tools])
+            choice = check_tool_choice(kwargs.get("tool_choice"),
+                                       [t["function"]["name"] for t in tools])
             problem = tools_problem(tokenizer)
             if problem is not None:
                 raise ToolsNotSupportedError(f"{self.model_name}: {problem}")
-            if choice != "none" and response_format is None:
-                response_format = self._tool_format(
+            if response_format is None:
+                response_format = tool_choice_format(
                     tokenizer, tools, choice,
                     kwargs.get("parallel_tool_calls", self.parallel_tool_calls))
         if response_format is not None:
@@ -310,22 +258,6 @@ class ChatSpecPrefill(BaseChatModel):
         parser = OutputParser(tokenizer, parse_tools=choice != "none", tools=tools,
                               in_reasoning=rendered.think_open)
         return rendered, options, parser, kwargs.get("timeout", self.timeout)
-
-    def _tool_format(self, tokenizer, tools: list, choice: str, parallel) -> Optional[dict]:
-        """The engine's constrained tool-call format, in the markup of the tokenizer's
-        tool parser; None ("auto" in a format without a grammar: calls are only parsed)."""
-        form = tool_format(tokenizer)
-        if form not in TOOL_FORMATS:
-            if choice == "auto":
-                return None
-            raise ToolsNotSupportedError(
-                f"{self.model_name}: tool_choice={choice!r} needs constrained tool calls, "
-                f"which exist for the formats {list(TOOL_FORMATS)}; this model's tool-call "
-                f"format (mlx-lm parser) is {form!r}")
-        if choice not in ("auto", "required"):
-            choice = {"type": "function", "function": {"name": choice}}
-        return {"type": "tool_call", "tools": tools, "tool_choice": choice,
-                "parallel_tool_calls": bool(parallel), "format": form}
 
     # messages -------------------------------------------------------------------
 
@@ -498,7 +430,7 @@ class ChatSpecPrefill(BaseChatModel):
         ToolsNotSupportedError, before anything runs."""
         formatted = [convert_to_openai_tool(tool) for tool in tools]
         names = [t["function"]["name"] for t in formatted]
-        _tool_choice(tool_choice, names)  # validate now, not at the first call
+        check_tool_choice(tool_choice, names)  # validate now, not at the first call
         if parallel_tool_calls is not None:
             kwargs["parallel_tool_calls"] = parallel_tool_calls
         return self.bind(tools=formatted, tool_choice=tool_choice, **kwargs)

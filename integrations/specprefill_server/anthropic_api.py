@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse
 
-from specprefill_engine.engine.engine import prompt_tokens
+from specprefill_engine.engine.chat import render_chat
 
 from .chat import Call, Extensions, Loose, matched_stop, prepare, report
 from .errors import APIError, anthropic_body
@@ -226,7 +226,7 @@ async def messages_call(state, body: MessagesRequest) -> Call:
         options["stop"] = list(body.stop_sequences)
     choice, parallel = _tool_choice(body.tool_choice)
     return await prepare(
-        state.engine.tokenizer, chat_messages(body), options, tools=_tools(body),
+        state.engine, chat_messages(body), options, tools=_tools(body),
         choice=choice, parallel=parallel, response_format=_response_format(body),
         template_kwargs=_template_kwargs(body))
 
@@ -346,7 +346,7 @@ async def messages(body: MessagesRequest, request: Request):
         return EventStream(message_stream(state, body, call, message_id), stream_error,
                            MessagesRequest.model_fields)
     result = await whole_result(request, call, message_id)
-    content = blocks(call.read(call.parser(state.engine.tokenizer), result.text, True))
+    content = blocks(call.reply(state.engine.tokenizer, result))
     called = any(block["type"] == "tool_use" for block in content)
     return JSONResponse({
         "id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
@@ -358,8 +358,8 @@ async def messages(body: MessagesRequest, request: Request):
 async def count_tokens(body: Prompt, request: Request):
     """The prompt's tokens as a request renders it (template, tools, thinking)."""
     _check(body)
-    info = request.app.state.server.engine.info
-    tools = _tools(body)
-    ids = await asyncio.to_thread(prompt_tokens, chat_messages(body), info.tokenizer,
-                                  info.vocab_size, tools, _template_kwargs(body) or None)
-    return {"input_tokens": int(ids.size)}
+    engine = request.app.state.server.engine
+    rendered = await asyncio.to_thread(render_chat, engine.tokenizer, chat_messages(body),
+                                       _tools(body), _template_kwargs(body),
+                                       engine.config.recent_message_cap)
+    return {"input_tokens": int(rendered.tokens.size)}

@@ -22,7 +22,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from pydantic import ConfigDict, Field
 from starlette.responses import JSONResponse
 
-from .chat import Call, Extensions, Loose, arguments, prepare, read_events, report
+from .chat import Call, Extensions, Loose, prepare, read_events, report
 from .errors import APIError, openai_body
 from .streaming import EventStream, output_events, whole_result
 
@@ -213,7 +213,7 @@ def chat_messages(messages: list, developer_role: bool) -> list:
         if message.tool_calls:
             entry["tool_calls"] = [
                 {"id": call.id, "type": "function", "function": {
-                    "name": call.function.name, "arguments": arguments(call.function.arguments)}}
+                    "name": call.function.name, "arguments": call.function.arguments}}
                 for call in message.tool_calls]
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
@@ -221,16 +221,6 @@ def chat_messages(messages: list, developer_role: bool) -> list:
             entry["reasoning_content"] = message.reasoning_content
         chat.append(entry)
     return chat
-
-
-def _tool_choice(choice) -> str:
-    if choice is None or isinstance(choice, str):
-        return choice or "auto"
-    name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-    if not isinstance(name, str):
-        raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or "
-                       "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
-    return name
 
 
 def _response_format(format_: Optional[dict]) -> Optional[dict]:
@@ -256,8 +246,8 @@ async def chat_call(state, body: ChatRequest) -> Call:
     chat = chat_messages(body.messages, "developer" in template)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
     return await prepare(
-        info.tokenizer, chat, options, tools=tools,
-        choice=_tool_choice(body.tool_choice), parallel=body.parallel_tool_calls,
+        state.engine, chat, options, tools=tools, choice=body.tool_choice,
+        parallel=body.parallel_tool_calls,
         response_format=_response_format(body.response_format),
         template_kwargs=_template_kwargs(body))
 
@@ -336,7 +326,7 @@ def chat_choices():
 
 
 def chat_reply(state, call: Call, response_id: str, result) -> JSONResponse:
-    output = read_events(call.read(call.parser(state.engine.tokenizer), result.text, True))
+    output = read_events(call.reply(state.engine.tokenizer, result))
     message = {"role": "assistant", "content": output.content or
                (None if output.calls else ""), "refusal": None}
     if output.reasoning:

@@ -107,7 +107,7 @@ async def output_events(engine, gate: Gate, call: Call, request_id: str, keepali
             tokens = []
             while True:
                 tokens += chunk.token_ids
-                for event in call.read(parser, chunk.text, chunk.finish_reason is not None):
+                for event in call.read(parser, chunk.text, chunk.finish_reason):
                     yield event
                 if chunk.finish_reason is not None:
                     if chunk.finish_reason == "abort":

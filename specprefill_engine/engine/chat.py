@@ -22,6 +22,8 @@ prompt, and the last `window` messages; the others are None.
 Tool-call arguments in history reach the template as it expects them: a template
 that prints `arguments` raw takes JSON strings, every other (those that iterate over
 them or apply `tojson`) takes objects; a probe render decides once per tokenizer.
+`tools_problem` says, also once per tokenizer, whether its template shows tools to the
+model at all and mlx-lm can read its calls back.
 """
 
 import copy
@@ -35,7 +37,7 @@ from typing import Optional
 import numpy as np
 
 from .segments import protect, special_ids
-from .tool_calls import think_markers
+from .tool_calls import think_markers, tool_format
 
 logger = logging.getLogger(__name__)
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -169,6 +171,34 @@ def _with_arguments(messages: list, objects: bool) -> list:
             converted.append({**call, "function": function} if "function" in call else function)
         out.append({**message, "tool_calls": converted})
     return out
+
+
+_TOOL_PROBE = {"type": "function", "function": {
+    "name": "probe_tool_7f3a", "description": "probe",
+    "parameters": {"type": "object", "properties": {}}}}
+
+
+def tools_problem(tokenizer) -> Optional[str]:
+    """Why tools cannot work with this tokenizer (None: they can): its template must
+    show them to the model, and mlx-lm must know how to read its calls back."""
+    facts = _facts(tokenizer)
+    if "tools_problem" not in facts:
+        probe = [{"role": "user", "content": "hi"}]
+        problem = None
+        try:
+            plain = _text(tokenizer, probe, {}, True)
+            with_tools = _text(tokenizer, probe, {"tools": [_TOOL_PROBE]}, True)
+        except Exception as error:
+            problem = f"the chat template failed to render tools: {error}"
+        else:
+            if plain == with_tools or _TOOL_PROBE["function"]["name"] not in with_tools:
+                problem = ("its chat template does not render tools, so the model would never "
+                           "see them; use a model whose template supports tools")
+            elif tool_format(tokenizer) is None:
+                problem = ("mlx-lm knows no tool-call format for this tokenizer (no tool "
+                           "parser), so calls could not be read back")
+        facts["tools_problem"] = problem
+    return facts["tools_problem"]
 
 
 # rendering ------------------------------------------------------------------------------

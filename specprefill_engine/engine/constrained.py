@@ -59,10 +59,9 @@ import threading
 import weakref
 from typing import Any, Callable, Optional
 
-from .tool_calls import ToolsNotSupportedError, think_markers, tool_format
+from .tool_calls import TOOL_FORMATS, ToolsNotSupportedError, think_markers, tool_format
 
 _FORMATS = ("json_object", "json_schema", "tool_call", "lark", "regex")
-TOOL_FORMATS = ("json_tools", "qwen3_coder", "glm47")  # formats with a call grammar
 REASONING = ("open", "optional", "none")
 REASONING_SHARE = 0.5  # of max_tokens: the default reasoning budget
 MAX_SEPARATOR = 4  # whitespace characters allowed between </think> and the answer

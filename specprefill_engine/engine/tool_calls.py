@@ -14,7 +14,9 @@ invalid call whose `error` says why.
 
 The tool-call format is the name of the tokenizer's mlx-lm parser module
 (`tool_format`), never guessed from the start marker: Hermes JSON, Qwen3-Coder XML
-and GLM 4.7 all open with `<tool_call>`.
+and GLM 4.7 all open with `<tool_call>`. `check_tool_choice` and `tool_choice_format`
+turn a request's tool choice into the constrained format that enforces it, the same
+for every integration.
 """
 
 import json
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 THINK_START, THINK_END = "<think>", "</think>"
+TOOL_FORMATS = ("json_tools", "qwen3_coder", "glm47")  # formats with a call grammar
 
 
 class ToolsNotSupportedError(ValueError):
@@ -48,6 +51,46 @@ def tool_format(tokenizer) -> Optional[str]:
     if parser is None:
         return None
     return getattr(parser, "__module__", "").rsplit(".", 1)[-1] or None
+
+
+def check_tool_choice(choice, names: list) -> str:
+    """A tool choice as the OpenAI API, Anthropic's (mapped) or LangChain gives it ->
+    "auto", "none", "required" or the name of one of the tools `names`."""
+    if choice is None or choice == "auto":
+        return "auto"
+    if choice == "none" or choice is False:
+        return "none"
+    if choice in ("any", "required") or choice is True:
+        return "required"
+    name = choice
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") or choice.get("name")
+    if not isinstance(name, str):
+        raise ValueError(f"tool_choice must be 'auto', 'any', 'required', 'none' or a tool "
+                         f"name; got {choice!r}")
+    if name not in names:
+        raise ValueError(f"tool_choice {name!r} is not one of the bound tools {names}")
+    return name
+
+
+def tool_choice_format(tokenizer, tools: list, choice: str, parallel: bool) -> Optional[dict]:
+    """The constrained response_format that enforces `choice` (from `check_tool_choice`),
+    in the markup of the tokenizer's tool parser. None: "none", or "auto" in a format
+    without a call grammar (the model's calls are then parsed, not constrained)."""
+    if choice == "none":
+        return None
+    form = tool_format(tokenizer)
+    if form not in TOOL_FORMATS:
+        if choice == "auto":
+            return None
+        raise ToolsNotSupportedError(
+            f"tool_choice {choice!r} needs constrained tool calls, which exist for the "
+            f"formats {list(TOOL_FORMATS)}; this model's tool-call format (mlx-lm parser) "
+            f"is {form!r}")
+    if choice not in ("auto", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    return {"type": "tool_call", "tools": tools, "tool_choice": choice,
+            "parallel_tool_calls": bool(parallel), "format": form}
 
 
 @dataclass
