@@ -53,7 +53,7 @@ def test_every_family_reuses_the_previous_prompt_dense_and_sparse(family):
     name, path = family
     with Engine(model=path, draft=path) as engine:
         dense = chat(engine, specprefill=False)
-    with Engine(model=path, draft=path, reuse_coverage=0.0) as engine:  # random weights:
+    with Engine(model=path, draft=path, reuse_coverage=0.0, densify="off") as engine:  # random:
         sparse = chat(engine, specprefill=True)  # no importance signal for the gate
     for turn in (1, 2):
         previous, result = dense[turn - 1][0], dense[turn][2]
