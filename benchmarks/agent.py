@@ -104,20 +104,23 @@ def engine_session(engine, settings, session, args) -> list:
 
 
 def run(args) -> list:
-    """Sessions one after another; in each, the rows in turn, each on its own engine (one
-    model in memory at a time beside mlx-lm's)."""
+    """Sessions one after another; in each, the rows in turn, each on its own engine (or
+    mlx-lm's model), so one target is in memory at a time."""
     rows = []
     caches = {"prefix_cache_bytes": int(args.cache_gb * 2**30),
               "draft_prefix_cache_bytes": int(args.cache_gb * 2**30)}
-    model, tokenizer = load_model(args.target) if args.target else load_model()
+    tokenizer = (load_model(args.target) if args.target else load_model())[1]
     warm = argparse.Namespace(**{**vars(args), "steps": 2, "tool_seconds": 0})
     for session_index in range(args.sessions):
         for name in args.methods:
             session = make_agent_session(tokenizer, session_index, args.tokens, args.steps)
             warm_session = make_agent_session(tokenizer, 99, args.tokens, 2)  # same shapes
             if METHODS[name] is None:  # a fresh cache after the warm-up: no big entry to copy
+                model, _ = load_model(args.target) if args.target else load_model()
                 mlx_lm_session(model, tokenizer, LRUPromptCache(16), warm_session, warm)
                 session_rows = mlx_lm_session(model, tokenizer, LRUPromptCache(16), session, args)
+                del model
+                mx.clear_cache()
             else:
                 with Engine(model=args.target, draft=args.draft, keep=args.keep,
                             reuse_coverage=args.coverage, step_size=args.step_size,

@@ -85,7 +85,8 @@ def plot_throughput(rows: list, path: Path, title: str) -> None:
     _save(figure, axes, path)
 
 
-def plot_agent(summary: list, path: Path, title: str) -> None:
+def plot_agent(summary: dict, path: Path, title: str) -> None:
+    summary = summary["steps"]
     figure, axes = plt.subplots(figsize=(7, 4.5))
     steps = [line["step"] for line in summary]
     methods = [k for k in summary[0] if k != "step"]
