@@ -33,10 +33,11 @@ import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+from mlx_lm.utils import load_tokenizer
 
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_agent_session
-from specprefill_engine.loading import load_model
+from specprefill_engine.loading import DEMO_TARGET, load_model
 
 NEW_TOKENS = 12
 METHODS = {
@@ -109,7 +110,7 @@ def run(args) -> list:
     rows = []
     caches = {"prefix_cache_bytes": int(args.cache_gb * 2**30),
               "draft_prefix_cache_bytes": int(args.cache_gb * 2**30)}
-    tokenizer = (load_model(args.target) if args.target else load_model())[1]
+    tokenizer = load_tokenizer(Path(args.target) if args.target else DEMO_TARGET)
     warm = argparse.Namespace(**{**vars(args), "steps": 2, "tool_seconds": 0})
     for session_index in range(args.sessions):
         for name in args.methods:
