@@ -122,9 +122,13 @@ def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixC
 
 def score_unit(state: RequestState, runtime: Runtime,
                draft: Optional[PrefixCache]) -> Optional[np.ndarray]:
-    """One unit of the draft's scoring; the importance once it is done."""
-    state.scored = next(state.scoring)
-    if state.scored[0] < state.scored[1]:
+    """One unit of the draft's scoring; the importance once it is done. `state.scored`:
+    prompt tokens through the draft so far, of all (its units are fixed-size chunks)."""
+    done, total = next(state.scoring)
+    length = int(state.tokens.size)
+    tokens = state.usage.draft_cached_tokens + done * runtime.config.draft_step_size
+    state.scored = (length if done == total else min(tokens, length - 1), length)
+    if done < total:
         return None
     try:
         next(state.scoring)  # the last unit is done: take the importance it returns

@@ -42,7 +42,8 @@ class SpecPrefillReport:
 
 @dataclass
 class Progress:
-    """A long phase's progress: phase is "scoring" or "prefill"."""
+    """A long phase's progress, in tokens: phase is "scoring" (prompt tokens through the
+    draft, of the prompt) or "prefill" (tokens through the target, of those it computes)."""
 
     phase: str
     done: int

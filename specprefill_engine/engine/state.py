@@ -57,7 +57,7 @@ class RequestState:
     # scoring (the draft, rank 0 only): its unit generator and progress
     scoring: Optional[Generator] = None
     scoring_cache: Optional[list] = None  # the draft's cache while scoring
-    scored: tuple = (0, 0)
+    scored: tuple = (0, 0)  # (prompt tokens through the draft, all)
     scoring_busy: float = 0.0  # seconds spent in its units (for the cost model)
     # the target prefill: what to restore, what to feed and where each token sits
     restore: Optional[Restore] = None
@@ -96,7 +96,7 @@ class RequestState:
     def describe(self) -> str:
         text = f"{self.id} (#{self.handle}) {self.status}"
         if self.status == SCORING:
-            text += f" {self.scored[0]}/{self.scored[1]} draft units"
+            text += f" {self.scored[0]}/{self.scored[1]} tokens through the draft"
         elif self.status == PREFILLING and self.feed is not None:
             text += (f" {self.fed}/{self.feed.size} target tokens after {self.cached} cached"
                      f"{' (sparse)' if self.feed_positions is not None else ''}")
