@@ -13,6 +13,7 @@ import json
 import numpy as np
 import pytest
 
+from chat_templates import THINKING_TEMPLATE
 from models import HYBRID_CASES, ROPE_CASES, save_with_demo_tokenizer
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_case
@@ -90,3 +91,29 @@ def test_a_plain_model_continues_from_the_exact_shared_prefix(family):
         assert again.usage.prompt_tokens - again.usage.cached_tokens == 37
         alone = engine.generate_sync(grown, max_tokens=4, ignore_eos=True, cache_prompt=False)
     assert again.token_ids == alone.token_ids
+
+
+# the demo template, thinking, re-rendering a past reply without its think block
+STRIPPING_TEMPLATE = THINKING_TEMPLATE.replace(
+    "{{ m['content'] if m['content'] is string else '' }}",
+    "{{ (m['content'].split('</think>')[-1] | trim) if m['content'] is string else '' }}")
+
+
+def test_a_template_that_strips_the_last_think_block_still_reuses_the_prompt(tmp_path):
+    """The next prompt departs from the stored one inside the generation prompt (the
+    reply's think block is gone): a hybrid continues from the checkpoint where the
+    generation prompt starts."""
+    path = save_with_demo_tokenizer(CASES["qwen3_next"], tmp_path / "thinking")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = STRIPPING_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with Engine(model=str(path), draft=None) as engine:
+        messages = make_case(engine.tokenizer, 42, "passkey", 600).messages
+        first = engine.generate_sync(messages, max_tokens=4, ignore_eos=True)
+        without = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+        grown = messages + [{"role": "assistant", "content": "<think>\nlet me see\n</think>\n\n42"},
+                            {"role": "user", "content": "Once more?"}]
+        second = engine.generate_sync(grown, max_tokens=4, ignore_eos=True)
+    assert second.usage.cached_tokens == len(without), second.specprefill.reuse
+    assert f"checkpoint at {len(without)}" in second.specprefill.reuse
+    assert first.usage.prompt_tokens > len(without)  # the prompt's own end is not shared

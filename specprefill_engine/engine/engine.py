@@ -284,12 +284,15 @@ class Engine:
         logger.debug("request %s: %d prompt tokens, max_tokens %d", request_id, tokens.size,
                      max_tokens)
         output = OutputProcessor(request_id, params, max_tokens, info.tokenizer, stream, emit)
+        boundaries = () if rendered is None else tuple(sorted({
+            start for start in (*rendered.message_starts, rendered.generation_start)
+            if start is not None and 0 < start < tokens.size}))
         return RequestState(
             request_id, tokens, params, emit, specprefill,
             self.config.keep if keep is None else keep,
             self.config.threshold if threshold is None else threshold,
             stream, on_progress is not None, constraint, logits_processors, cache_prompt,
-            max_tokens, protected, warnings, output=output,
+            max_tokens, protected, warnings, boundaries=boundaries, output=output,
         )
 
     @staticmethod

@@ -23,12 +23,10 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from mlx_lm.models.cache import make_prompt_cache
-
 from ..core.prefill import prefill_chunk
 from .batch import DecodeBatch, SoloDecode, cut_cache
 from .plan import TurnPlan
-from .prefix_cache import Hit, PrefixCache, reusable, snapshot
+from .prefix_cache import Hit, PrefixCache, checkpointed, snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +56,7 @@ class Executor:
         self.group = group  # a sharded target's process group
         self.sampling = sampling  # rank 0: rows are RequestStates that sample
         self.caches: dict = {}  # handle -> target cache while prefilling
-        self.checkpointed = not reusable(make_prompt_cache(model))  # snapshots needed
+        self.checkpointed = checkpointed(model)  # snapshots at message boundaries
         self.snapshots: dict = {}  # handle -> {prefix length: Snapshot}
         self.rows: dict = {}  # handle -> row while decoding
         self.groups: dict = {}  # handle -> its DecodeBatch or SoloDecode

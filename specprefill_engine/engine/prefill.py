@@ -90,6 +90,9 @@ def _set_feed(state: RequestState, runtime: Runtime, hit: Optional[Hit], cut: in
     state.feed, state.feed_positions, state.fed = feed, positions, 0
     weight = prefill_weight(runtime.model)
     state.chunk_ends = chunk_plan(int(feed.size), state.cached, runtime.config.step_size, weight)
+    if runtime.checkpointed:  # a cache that cannot be cut: a checkpoint at each boundary
+        state.chunk_ends, state.checkpoints = split_at_boundaries(
+            state.chunk_ends, state.boundaries, cut, feed.size, positions)
     state.usage.cached_tokens = state.cached
     state.status = PREFILLING
 
@@ -251,18 +254,37 @@ def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
     plan_dense(state, runtime, caches.target)
 
 
+def split_at_boundaries(chunk_ends: list, boundaries: tuple, cut: int, size: int,
+                        positions: Optional[np.ndarray]) -> tuple[list, dict]:
+    """Chunk ends that also stop at each chat boundary past `cut` (where every entry
+    before it is fed and none after), and the prompt length each such end stands for,
+    so the executor can snapshot the cache there; no scheduler turn is added."""
+    checkpoints = {}
+    for boundary in boundaries:
+        if boundary <= cut:
+            continue
+        end = boundary - cut if positions is None else int(np.searchsorted(positions, boundary))
+        if 0 < end < size:
+            checkpoints[end] = boundary
+    ends = dict(chunk_ends)
+    for end in checkpoints:
+        ends.setdefault(end, False)
+    return sorted(ends.items()), checkpoints
+
+
 def unit_chunks(handle: int, feed: np.ndarray, positions: Optional[np.ndarray], fed: int,
-                chunk_ends: list, checkpoint: int = 0) -> tuple[list, int]:
+                chunk_ends: list, checkpoint: int = 0, checkpoints: Optional[dict] = None
+                ) -> tuple[list, int]:
     """One unit of prefill work from `fed` on: the chunks up to the first end a scheduler
-    turn may follow (or the feed's end, whose chunk is `last` and carries `checkpoint`),
-    and how far the feed is then."""
-    chunks = []
+    turn may follow (or the feed's end, whose chunk is `last` and carries `checkpoint`;
+    `checkpoints` names the others that do), and how far the feed is then."""
+    chunks, checkpoints = [], checkpoints or {}
     for end, pause in chunk_ends:
         if end <= fed:
             continue
         last = end == feed.size
         chunks.append(Chunk(handle, feed[fed:end], None if positions is None else positions[fed:end],
-                            last=last, checkpoint=checkpoint if last else 0))
+                            last=last, checkpoint=checkpoint if last else checkpoints.get(end, 0)))
         fed = end
         if pause or last:
             break

@@ -52,6 +52,12 @@ def supported(cache: list) -> bool:
     return all(cuttable(c) or hasattr(c, "from_state") for c in cache)
 
 
+def checkpointed(model) -> bool:
+    """Whether the model's cache has layers that cannot be cut, so that a prefix is
+    reusable only where a snapshot was taken."""
+    return not reusable(make_prompt_cache(model))
+
+
 def prefix_cache_for(model, max_bytes: int) -> Optional["PrefixCache"]:
     """A prefix cache for `model`, or None when it has no budget or a cache layer that
     can neither be cut nor rebuilt."""

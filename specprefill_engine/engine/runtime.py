@@ -15,6 +15,7 @@ from ..loading import ModelLoadError, check_same_tokenizer, load_model
 from .batch import batching_support
 from .distributed import Channel, agree
 from .plan import TurnPlan
+from .prefix_cache import checkpointed
 from .policy import CostModel, cost_model
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class Runtime:
     kv_bytes_per_token: int
     vocab_size: int  # token ids a prompt may hold: the embedding's rows
     costs: CostModel  # prefill costs for the policy
+    checkpointed: bool = False  # caches that cannot be cut: snapshots at message boundaries
     group: object = None  # the distributed group of a sharded target; None on one machine
     channel: Optional[Channel] = None  # rank 0's plan broadcast to the other ranks
 
@@ -185,4 +187,6 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
         raise
     costs = cost_model(model, draft, (model_path, draft_path, dtype, group.size() if group else 1))
     return Runtime(model, tokenizer, scorer, config, context_length_of(model), batch_reason,
-                   kv_bytes, vocab_size_of(model, tokenizer), costs, group=group, channel=channel)
+                   kv_bytes, vocab_size_of(model, tokenizer), costs,
+                   checkpointed=checkpointed(model), group=group,
+                   channel=channel)

@@ -360,7 +360,8 @@ class Scheduler:
         if state.fed == 0:
             plan.restores.append(state.restore)
         chunks, state.fed = unit_chunks(state.handle, state.feed, state.feed_positions,
-                                        state.fed, state.chunk_ends, int(state.tokens.size))
+                                        state.fed, state.chunk_ends, int(state.tokens.size),
+                                        state.checkpoints)
         plan.chunks += chunks
         if state.fed == state.feed.size:
             self._prefilling = None

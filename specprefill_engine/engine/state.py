@@ -39,6 +39,7 @@ class RequestState:
     max_tokens: int = 256
     protected: Optional[np.ndarray] = None  # tokens SpecPrefill must keep (chat segments)
     warnings: list = field(default_factory=list)
+    boundaries: tuple = ()  # where chat messages (and the generation prompt) start
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -67,6 +68,7 @@ class RequestState:
     fed: int = 0  # feed tokens computed (planned: a failure ends the request)
     prefill_busy: float = 0.0  # seconds spent in its chunks (for the cost model)
     chunk_ends: list = field(default_factory=list)  # (end, pause) of the planned chunks
+    checkpoints: dict = field(default_factory=dict)  # chunk end -> the prompt length it is
     positions: Optional[np.ndarray] = None  # each prompt cache entry's position; None: all
     shift: int = 0  # decode position minus cache entries (SpecPrefill rows)
     first_token: Optional[int] = None  # sampled, not yet joined to a decode
