@@ -28,7 +28,7 @@ VICTIM = "victim"
 
 @pytest.fixture(scope="module")
 def engine():
-    engine = Engine(threshold=256).start_sync()
+    engine = Engine(threshold=256, densify="off").start_sync()  # no background work
     yield engine
     engine.shutdown_sync()
 

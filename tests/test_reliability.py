@@ -31,7 +31,7 @@ HANG = 120  # seconds after which a wait counts as a hang
 
 @pytest.fixture(scope="module")
 def engine():
-    engine = Engine().start_sync()
+    engine = Engine(densify="off").start_sync()  # no background work between the tests
     yield engine
     engine.shutdown_sync()
 
