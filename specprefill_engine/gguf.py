@@ -29,7 +29,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -243,14 +243,17 @@ def convert_file(path: Path, folder: Path) -> Path:
     return folder
 
 
-def convert(name: str, overwrite: bool = False) -> Path:
-    """The converted folder of one of MODELS, converting it on first use."""
+def convert(name: str, overwrite: bool = False, source: Optional[Path] = None) -> Path:
+    """The converted folder of one of MODELS, converting it on first use: from its
+    installed package, or from `source`, the same GGUF file carried elsewhere."""
     if name not in MODELS:
         raise ValueError(f"name must be one of {sorted(MODELS)}, got {name!r}")
     model = MODELS[name]
     folder = cache_dir() / model.folder
     if (folder / "model.safetensors").is_file() and not overwrite:
         return folder
+    if source is not None:
+        return convert_file(Path(source), folder)
     with tempfile.TemporaryDirectory() as scratch:
         path = model.gguf(Path(scratch))
         logger.info("converting %s (%s)", path, model.distribution)
@@ -289,11 +292,14 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", default=sorted(MODELS), help=f"of {sorted(MODELS)}")
     parser.add_argument("--overwrite", action="store_true", help="convert again")
+    parser.add_argument("--gguf", nargs="*", default=[], metavar="NAME=PATH",
+                        help="convert from this file instead of the installed package")
     parser.add_argument("--measure", action="store_true",
                         help="print the measured values instead of checking them")
     args = parser.parse_args(argv)
+    sources = dict(item.split("=", 1) for item in args.gguf)
     for name in args.names:
-        folder = convert(name, args.overwrite)
+        folder = convert(name, args.overwrite, sources.get(name))
         result = measure(folder) if args.measure else check(name, folder)
         print(json.dumps({"model": name, "folder": str(folder), "greedy": result.greedy,
                           "perplexity": result.perplexity}))
