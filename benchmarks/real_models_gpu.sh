@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The real-weights grid on the GPU machine, which has no network: the two GGUF files
-# (SmolLM2 98 MB, Gemma 3 253 MB) travel in parts of at most 24 MiB, one device call
-# each, next to MLX's CUDA build (../shared/gpu/README.md), and are converted there.
+# (SmolLM2 98 MB, Gemma 3 253 MB: 14 parts of at most 24 MiB) travel one part per device
+# call, next to MLX's CUDA build (../shared/gpu/README.md), and are converted there.
 #
 # Here, in the project's root (the packages installed, see benchmarks/real_models.py):
 #     bash benchmarks/real_models_gpu.sh prepare     # .gpu/real/p1 .. pN, git-ignored
@@ -28,18 +28,18 @@ for name, model in gguf.MODELS.items():
     (out / f"{name}.gguf").symlink_to(path.resolve())
 EOF
   (cd "$tmp" && sha256sum smollm2.gguf gemma3.gguf > gguf.sha256 \
-    && for f in smollm2.gguf gemma3.gguf; do split -b 24M "$(readlink -f $f)" "$f.part-"; done)
+    && tar chf - smollm2.gguf gemma3.gguf gguf.sha256 | split -b 24M - real.part-)
   "$python" -m pip download -q --no-deps -d "$tmp" gguf
   i=0
   for part in "$tmp"/*.part-*; do i=$((i + 1)); mkdir -p ".gpu/real/p$i"; mv "$part" ".gpu/real/p$i/"; done
-  mv "$tmp"/gguf-*.whl "$tmp/gguf.sha256" ".gpu/real/p$i/"
+  mv "$tmp"/gguf-*.whl ".gpu/real/p$i/"
   rm -rf "$tmp"
   du -sh .gpu/real/p*
   echo "$i parts: carry each .gpu/real/pK in a call of its own: mkdir -p /tmp/real && cp .gpu/real/pK/* /tmp/real/"
   ;;
 install)
   cd /tmp/real
-  for f in smollm2.gguf gemma3.gguf; do [ -f "$f" ] || cat "$f".part-* > "$f"; done
+  [ -f gemma3.gguf ] || cat real.part-* | tar xf -
   sha256sum -c gguf.sha256
   mkdir -p /tmp/site && python3 -m zipfile -e gguf-*.whl /tmp/site
   cd - >/dev/null
