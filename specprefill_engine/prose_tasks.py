@@ -45,7 +45,8 @@ class Case:
 @lru_cache(maxsize=1)
 def paragraphs() -> tuple:
     """The reference documentation's prose paragraphs, each on one line (code blocks,
-    grammar rules and headings left out)."""
+    grammar rules, headings and paragraphs with digits left out: the codes asked for
+    are the only numbers)."""
     from pydoc_data.topics import topics
 
     found = []
@@ -54,7 +55,7 @@ def paragraphs() -> tuple:
             if not block.strip() or block[0].isspace() or set(block.splitlines()[-1]) <= set("*=-"):
                 continue
             line = " ".join(block.split())
-            if len(line) > 80 and "::=" not in line:
+            if len(line) > 80 and "::=" not in line and not re.search(r"\d", line):
                 found.append(line)
     return tuple(found)
 
