@@ -221,14 +221,20 @@ def _tensors(reader, architecture: str, config: dict) -> dict:
     return weights
 
 
-def convert_file(path: Path, folder: Path) -> Path:
-    """Write an mlx-lm folder (config, bfloat16 weights, tokenizer) for a GGUF file."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
+
+
+def convert_file(path: Path, folder: Path, tokenizer_from: Optional[Path] = None) -> Path:
+    """Write an mlx-lm folder (config, bfloat16 weights, tokenizer) for a GGUF file; the
+    tokenizer files are copied from `tokenizer_from` when given (a machine whose
+    transformers lacks the GGUF tokenizer builders), else rebuilt from the metadata."""
     import mlx.core as mx
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
     architecture = _field(reader, "general.architecture")
-    tokenizer = _tokenizer(reader, architecture)
+    tokenizer = None if tokenizer_from else _tokenizer(reader, architecture)
     config = _config(reader, architecture, len(_field(reader, "tokenizer.ggml.tokens")),
                      {tensor.name for tensor in reader.tensors})
     weights = _tensors(reader, architecture, config)
@@ -237,15 +243,22 @@ def convert_file(path: Path, folder: Path) -> Path:
     partial.mkdir(parents=True)
     mx.save_safetensors(str(partial / "model.safetensors"), weights, metadata={"format": "mlx"})
     (partial / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.save_pretrained(str(partial))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(partial))
+    else:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_from) / name).is_file():
+                shutil.copy(Path(tokenizer_from) / name, partial / name)
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)  # a folder is there whole or not at all
     return folder
 
 
-def convert(name: str, overwrite: bool = False, source: Optional[Path] = None) -> Path:
+def convert(name: str, overwrite: bool = False, source: Optional[Path] = None,
+            tokenizer_from: Optional[Path] = None) -> Path:
     """The converted folder of one of MODELS, converting it on first use: from its
-    installed package, or from `source`, the same GGUF file carried elsewhere."""
+    installed package, or from `source`, the same GGUF file carried elsewhere (with,
+    optionally, the tokenizer files of a folder converted here)."""
     if name not in MODELS:
         raise ValueError(f"name must be one of {sorted(MODELS)}, got {name!r}")
     model = MODELS[name]
@@ -253,7 +266,7 @@ def convert(name: str, overwrite: bool = False, source: Optional[Path] = None) -
     if (folder / "model.safetensors").is_file() and not overwrite:
         return folder
     if source is not None:
-        return convert_file(Path(source), folder)
+        return convert_file(Path(source), folder, tokenizer_from)
     with tempfile.TemporaryDirectory() as scratch:
         path = model.gguf(Path(scratch))
         logger.info("converting %s (%s)", path, model.distribution)
@@ -294,12 +307,15 @@ def main(argv=None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="convert again")
     parser.add_argument("--gguf", nargs="*", default=[], metavar="NAME=PATH",
                         help="convert from this file instead of the installed package")
+    parser.add_argument("--tokenizer", nargs="*", default=[], metavar="NAME=DIR",
+                        help="with --gguf: copy the tokenizer files from this folder")
     parser.add_argument("--measure", action="store_true",
                         help="print the measured values instead of checking them")
     args = parser.parse_args(argv)
     sources = dict(item.split("=", 1) for item in args.gguf)
+    tokenizers = dict(item.split("=", 1) for item in args.tokenizer)
     for name in args.names:
-        folder = convert(name, args.overwrite, sources.get(name))
+        folder = convert(name, args.overwrite, sources.get(name), tokenizers.get(name))
         result = measure(folder) if args.measure else check(name, folder)
         print(json.dumps({"model": name, "folder": str(folder), "greedy": result.greedy,
                           "perplexity": result.perplexity}))
