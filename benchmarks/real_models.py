@@ -197,7 +197,7 @@ def plot(rows: list, path: Path) -> None:
                           label=f"{model} {scorer}")
     axes.axhline(0.95, color="gray", linewidth=0.8)
     axes.axhline(0.85, color="gray", linewidth=0.8, linestyle="--")
-    axes.set(xlabel="keep", ylabel="accuracy retained (share of dense)", ylim=(0, 1.1),
+    axes.set(xlabel="keep", ylabel="accuracy retained (share of dense)", ylim=(0, 1.3),
              title="Real weights: accuracy retained where dense > 50%")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
