@@ -14,7 +14,8 @@ cd "$(dirname "$0")/.."
 case "${1:-}" in
 prepare)
   python="${PYTHON:-.venv/bin/python}"
-  grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> "$(git rev-parse --git-path info/exclude)"
+  exclude="$(git rev-parse --git-path info/exclude)"
+  grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
   rm -rf .gpu/real && mkdir -p .gpu/real
   tmp="$(mktemp -d)"
   "$python" - "$tmp" <<'EOF'
