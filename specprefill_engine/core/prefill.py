@@ -9,7 +9,8 @@ prompt's length or on load, so a prompt's KV is the same whatever else runs, and
 cached prefix cut at a chunk end continues in the same chunks as from scratch. A
 small last chunk runs right after the one before it, so it costs no scheduler turn.
 With `positions` (sparse prefill: the kept tokens' original positions) every call
-gets its own position handling, removed right after it (see `positions.py`);
+gets its own position handling, removed right after it: RoPE at those positions
+(`positions.py`) and sliding-window masks by them (`windows.py`);
 without, the call still resets whatever state another request's call may have left
 on a shared model (mlx-vlm's rope-delta carrier).
 """
@@ -23,6 +24,7 @@ import numpy as np
 
 from .adapters import takes_position_ids
 from .positions import position_runs, positioned_rope
+from .windows import SlidingWindows
 
 _CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
                   "intermediate_size", "vocab_size")
@@ -111,23 +113,30 @@ def logits_of(output) -> mx.array:
     return output if isinstance(output, mx.array) else output.logits
 
 
-def _forward(model: nn.Module, inputs: mx.array, cache, positions: Optional[np.ndarray]):
+def _forward(model: nn.Module, inputs: mx.array, cache, positions: Optional[np.ndarray],
+             windows: Optional[SlidingWindows]):
     if positions is None:
         with positioned_rope(model):
             return model(inputs, cache=cache)
-    if takes_position_ids(model):  # text tokens: one position row, as the model lays out its own
-        with positioned_rope(model):
-            return model(inputs, cache=cache, position_ids=mx.array(positions, mx.int32)[None])
-    with positioned_rope(model, runs=position_runs(positions)):
-        return model(inputs, cache=cache)
+    with windows.by_position(positions):
+        if takes_position_ids(model):  # text tokens: one position row, as the model lays out its own
+            with positioned_rope(model):
+                return model(inputs, cache=cache, position_ids=mx.array(positions, mx.int32)[None])
+        with positioned_rope(model, runs=position_runs(positions)):
+            return model(inputs, cache=cache)
 
 
 def prefill_chunk(model: nn.Module, tokens: mx.array, cache: list,
-                  positions: Optional[np.ndarray] = None, want_logits: bool = False):
+                  positions: Optional[np.ndarray] = None, want_logits: bool = False,
+                  windows: Optional[SlidingWindows] = None):
     """One forward of `tokens` (1-D) into `cache`, evaluated; the last token's logits,
     shape (1, 1, vocab), when `want_logits`, else None. `positions`: each token's
-    absolute position (sparse prefill), else they follow the cache."""
-    output = _forward(model, tokens[None], cache, positions)
+    absolute position (sparse prefill), else they follow the cache; `windows`, with
+    them: the true position of every entry the cache's sliding-window layers hold, kept
+    across a prompt's chunks (by default the cache holds positions 0..n-1)."""
+    if positions is not None and windows is None:
+        windows = SlidingWindows(cache)
+    output = _forward(model, tokens[None], cache, positions, windows)
     if want_logits:
         logits = logits_of(output)[:, -1:, :]
         mx.eval(logits, [c.state for c in cache])
@@ -149,13 +158,16 @@ def chunked_prefill(
     positions: Optional[np.ndarray] = None,
     want_logits: bool = True,
     balanced: Optional[bool] = None,
+    cached_positions: Optional[np.ndarray] = None,
 ) -> Generator[tuple, None, Optional[mx.array]]:
     """Feed `tokens` in the chunks of `chunk_plan`, yielding (tokens done, tokens)
     where the plan lets a scheduler turn in; the last yield is (total, total).
 
     Returns the last token's logits, shape (1, 1, vocab), or None when
     `want_logits` is False (only the cache is wanted, e.g. a draft before its
-    lookahead). `positions`, when given, holds each token's absolute position.
+    lookahead). `positions`, when given, holds each token's absolute position, and
+    `cached_positions` those of the entries already in `cache` (None: 0..n-1): a
+    sliding-window layer then sees the keys inside its window by those positions.
     `balanced` (None: the device's default, `prefill_weight`) shrinks later chunks so
     each costs as much; False keeps every chunk at `step_size` tokens.
     """
@@ -164,11 +176,12 @@ def chunked_prefill(
     tokens = tokens.reshape(-1)
     total = tokens.size
     weight = prefill_weight(model, balanced)
+    windows = None if positions is None else SlidingWindows(cache, cached_positions)
     logits, start = None, 0
     for end, pause in chunk_plan(total, cache_length(cache), step_size, weight):
         chunk_positions = None if positions is None else positions[start:end]
         logits = prefill_chunk(model, tokens[start:end], cache, chunk_positions,
-                               want_logits and end == total)
+                               want_logits and end == total, windows)
         start = end
         if pause:
             yield end, total

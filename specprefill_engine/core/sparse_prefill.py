@@ -1,16 +1,18 @@
 """Prefill the target on the kept tokens only, each at its original position.
 
 Kept tokens are fed in order, so the cache holds N = len(selected) entries and the
-causal mask in kept-token space is the right one; RoPE gets the true positions from
-`PositionedRoPE`. Afterwards the model decodes at M + offset through a shift on the
+causal mask in kept-token space is the right one for full attention; RoPE gets the
+true positions from `PositionedRoPE`, and sliding-window layers mask by them
+(`windows.py`). Afterwards the model decodes at M + offset through a shift on the
 same wrappers, until `cleanup_rope`.
 """
 
-from typing import Generator
+from typing import Generator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import RotatingKVCache
 
 from .adapters import (
     check_sparse_prefill_supported, first_attention_cache, rope_owners, sliding_window,
@@ -62,17 +64,26 @@ def sparse_prefill_steps(
     cache,
     step_size: int = 2048,
     position_offset: int = 0,
+    cached_positions: Optional[np.ndarray] = None,
 ) -> Generator[tuple, None, tuple[mx.array, int]]:
     """Prefill one chunk per iteration, yielding (kept tokens done, kept tokens).
 
     Returns (logits of the last prompt token, shape (1, 1, vocab); decode shift).
     The model is unwrapped between chunks, so other requests may run on it in between.
+    `cached_positions`: the position of each entry `cache` already holds (a stored
+    sparse prefix); None means 0..n-1, which sliding-window layers need to be true.
     """
     check_sparse_prefill_supported(model)
     tokens, kept = _validated(tokens, selected)
+    held = first_attention_cache(model, cache).offset
+    if cached_positions is None and held != position_offset \
+            and any(isinstance(c, RotatingKVCache) for c in cache):
+        raise ValueError(f"cached_positions is needed: the cache holds {held} entries for "
+                         f"{position_offset} positions, and sliding-window layers mask by position")
     kept = cover_sliding_window(kept, cache, tokens.size, position_offset)
     logits = yield from chunked_prefill(
-        model, tokens[mx.array(kept)], cache, step_size, positions=kept + position_offset
+        model, tokens[mx.array(kept)], cache, step_size, positions=kept + position_offset,
+        cached_positions=cached_positions,
     )
     return logits, decode_shift(model, cache, tokens.size, position_offset)
 
@@ -85,6 +96,7 @@ def sparse_prefill(
     step_size: int = 2048,
     position_offset: int = 0,
     cancel_check: CancelCheck = None,
+    cached_positions: Optional[np.ndarray] = None,
 ) -> mx.array:
     """Run the kept tokens through `model`; the last token's logits, (1, 1, vocab).
 
@@ -92,7 +104,8 @@ def sparse_prefill(
     decode at M + position_offset onwards; call `cleanup_rope(model)` when done.
     On any exception the model is left unwrapped.
     """
-    steps = sparse_prefill_steps(model, tokens, selected, cache, step_size, position_offset)
+    steps = sparse_prefill_steps(model, tokens, selected, cache, step_size, position_offset,
+                                 cached_positions)
     logits, shift = run_steps(steps, cancel_check)
     install_rope(model, shift=shift)
     return logits

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..core.prefill import prefill_chunk
+from ..core.windows import SlidingWindows
 from .batch import DecodeBatch, SoloDecode, cut_cache
 from .plan import TurnPlan
 from .prefix_cache import Hit, PrefixCache, checkpointed, snapshot
@@ -58,6 +59,8 @@ class Executor:
         self.caches: dict = {}  # handle -> target cache while prefilling
         self.checkpointed = checkpointed(model)  # snapshots at message boundaries
         self.snapshots: dict = {}  # handle -> {prefix length: Snapshot}
+        self.held: dict = {}  # handle -> positions of a restored sparse prefix's entries
+        self.windows: dict = {}  # handle -> SlidingWindows of its sparse prefill
         self.rows: dict = {}  # handle -> row while decoding
         self.groups: dict = {}  # handle -> its DecodeBatch or SoloDecode
         self.batch = DecodeBatch(model, group, sampling)
@@ -99,7 +102,7 @@ class Executor:
             if self.group is not None:
                 raise  # the other ranks run this request's forwards: they cannot agree now
             outcome.failed[handle] = error
-            self.caches.pop(handle, None)
+            self._release(handle)
 
     # target work ----------------------------------------------------------------
 
@@ -127,8 +130,8 @@ class Executor:
             return False
 
     def _release(self, handle: int) -> None:
-        self.caches.pop(handle, None)
-        self.snapshots.pop(handle, None)
+        for table in (self.caches, self.snapshots, self.held, self.windows):
+            table.pop(handle, None)
         row = self.rows.pop(handle, None)
         group = self.groups.pop(handle, None)
         if group is not None:
@@ -148,7 +151,7 @@ class Executor:
                 group = self.batch
         except Exception as error:
             outcome.failed[handle] = error
-            self.caches.pop(handle, None)
+            self._release(handle)
             return False
         del self.caches[handle]
         self.rows[handle], self.groups[handle] = row, group
@@ -198,13 +201,21 @@ class Executor:
             key = self.prefix.resolve(restore.key)
             hit = Hit(self.prefix.entries[key], restore.cut, restore.cut)
             self.prefix.touch(key)
-        self.caches[restore.handle], _ = PrefixCache.restore(self.model, hit, restore.cut)
+        self.caches[restore.handle], held = PrefixCache.restore(self.model, hit, restore.cut)
+        if held is not None:
+            self.held[restore.handle] = held
 
     def _chunk(self, chunk, outcome: TurnOutcome) -> None:
         started = time.perf_counter()
         cache = self.caches[chunk.handle]
+        windows = None
+        if chunk.positions is not None:  # sliding windows by true position, across chunks
+            windows = self.windows.get(chunk.handle)
+            if windows is None:
+                windows = self.windows[chunk.handle] = SlidingWindows(
+                    cache, self.held.get(chunk.handle))
         logits = prefill_chunk(self.model, mx.array(chunk.tokens), cache, chunk.positions,
-                               want_logits=chunk.last)
+                               want_logits=chunk.last, windows=windows)
         if chunk.checkpoint and self.checkpointed:
             self.snapshots.setdefault(chunk.handle, {})[chunk.checkpoint] = snapshot(cache)
         seconds = outcome.seconds.get(chunk.handle, 0.0) + time.perf_counter() - started
@@ -217,8 +228,8 @@ class Executor:
         return self.caches[handle]
 
     def clear(self) -> None:
-        self.caches.clear()
-        self.snapshots.clear()
+        for table in (self.caches, self.snapshots, self.held, self.windows):
+            table.clear()
         self.rows.clear()
         self.groups.clear()
         self.batch = DecodeBatch(self.model, self.group, self.sampling)

