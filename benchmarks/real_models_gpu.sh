@@ -51,7 +51,7 @@ install)
   mkdir -p /tmp/site && python3 -m zipfile -e gguf-*.whl /tmp/site
   cd - >/dev/null
   tar xJf /tmp/real/tokenizers.tar.xz -C /tmp/real
-  export SPECPREFILL_CACHE=/tmp/models
+  export SPECPREFILL_CACHE_DIR=/tmp/models
   python3 -m specprefill_engine.gguf smollm2 gemma3 --measure \
     --gguf smollm2=/tmp/real/smollm2.gguf gemma3=/tmp/real/gemma3.gguf \
     --tokenizer smollm2=/tmp/real/tokenizers/smollm2 gemma3=/tmp/real/tokenizers/gemma3

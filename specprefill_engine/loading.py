@@ -1,6 +1,7 @@
 """Load models through mlx-lm, with the bundled demo pair as the default."""
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -10,6 +11,16 @@ import mlx.nn as nn
 ASSETS = Path(__file__).parent / "assets"
 DEMO_TARGET = ASSETS / "demo-target"
 DEMO_DRAFT = ASSETS / "demo-draft"
+
+
+def cache_dir() -> Path:
+    """Where the package keeps files across processes (converted models, the policy's
+    observed costs): $SPECPREFILL_CACHE_DIR, else $XDG_CACHE_HOME/specprefill-engine,
+    else ~/.cache/specprefill-engine."""
+    explicit = os.environ.get("SPECPREFILL_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specprefill-engine"
 
 
 class ModelLoadError(ValueError):

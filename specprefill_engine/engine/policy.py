@@ -20,7 +20,6 @@ more than `margin`.
 import hashlib
 import json
 import logging
-import os
 import platform
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,18 +30,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..loading import cache_dir
+
 logger = logging.getLogger(__name__)
 HISTORY = 32  # observations kept per model
-
-
-def cache_dir() -> Path:
-    """Where the package keeps files across processes: $SPECPREFILL_CACHE_DIR, else
-    $XDG_CACHE_HOME/specprefill-engine, else ~/.cache/specprefill-engine."""
-    explicit = os.environ.get("SPECPREFILL_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "specprefill-engine"
 
 
 @dataclass(frozen=True)
