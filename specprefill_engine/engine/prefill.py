@@ -197,14 +197,14 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
             cut = dense_hit.entry.restorable(min(dense_hit.cut, first_dropped))
             hit, before = dense_hit, np.arange(cut)
             reuse = f"dense {dense_hit.describe(cut)}" if cut else "none"
+        # a stored view reaching further than the dense prefix (one being densified, say),
+        # behind the gate; a sliding-window layer's last window is fed anew (the view may
+        # lack some of it)
         sparse_hit = target.find(tokens)
         entry = sparse_hit.entry if sparse_hit is not None else None
-        densified = dense_hit is not None and dense_hit.entry.densified  # dense KV beats a view
-        # a sliding-window layer's last window is fed anew (the stored view may lack some)
         shared = 0 if entry is None else entry.restorable(
             min(sparse_hit.cut, length - window) if window else sparse_hit.cut)
-        if entry is not None and entry.positions is not None and shared > cut \
-                and not densified:
+        if entry is not None and entry.positions is not None and shared > cut:
             held = entry.positions[entry.positions < shared]
             if entry.keep < report.keep:
                 reuse = (f"selected anew: a stored selection kept {entry.keep} of the prompt, "
