@@ -161,7 +161,7 @@ class Hit:
         if entry.cuts_anywhere:
             text = f"prefix of {cut} tokens" if cut == self.shared else \
                 f"prefix of {cut} of {self.shared} shared tokens"
-            if entry.densified:
+            if entry.densified and entry.positions is None:
                 text = f"prefix (densified) of {text[len('prefix of '):]}"
         else:
             text = f"checkpoint at {cut} of {self.shared} shared tokens"
