@@ -6,7 +6,7 @@ plan chunks: `restore` (a prefix entry and how many of its entries), `feed` (the
 tokens to compute after them), `feed_positions` (their true positions; None: dense),
 `chunk_ends`. Scoring runs on the draft alone, one unit per scheduler turn.
 
-Across an agent's turns (see README, "Agent turns"):
+Across an agent's turns (see docs/how-it-works.md, "Agent turns"):
 - the draft's prompt KV is kept, so scoring a grown prompt prefills only its new
   tokens through the draft (importance still covers every token);
 - selection always runs over the whole prompt, on an absolute chunk grid, with the
