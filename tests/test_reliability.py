@@ -209,7 +209,10 @@ async def test_a_stream_gets_a_token_after_every_prefill_unit_at_the_default_ste
                           on_progress=on_progress)
     streaming.cancel()
     units_tokens = np.diff([0] + progress)
-    assert units_tokens[0] == engine.info.step_size and max(units_tokens) <= engine.info.step_size
+    # the first unit may start past a prefix another test cached (the template's head) and
+    # end on the step grid
+    assert engine.info.step_size - 16 < units_tokens[0] <= engine.info.step_size
+    assert max(units_tokens) <= engine.info.step_size
     assert units_tokens[-2] < units_tokens[0] / 2  # attention at 4K: later units are smaller
     units = [i for i, e in enumerate(events) if e == "unit"]
     assert len(units) >= 20
@@ -222,24 +225,33 @@ async def test_a_stream_gets_a_token_after_every_prefill_unit_at_the_default_ste
 
 # 7 ---------------------------------------------------------------------------------
 
-def test_shutdown_frees_the_models_on_the_worker_and_hands_none_out():
-    gc.collect()
-    before = mx.get_active_memory()
-    engine = Engine().start_sync()
-    engine.generate_sync("def f():", max_tokens=4)
-    loaded = mx.get_active_memory()
-    engine.shutdown_sync()
-    assert loaded - before > 20e6  # the pair really was loaded (~64 MB in float32)
-    assert mx.get_active_memory() - before < 2e6  # freed while the Engine object lives on
-    assert not hasattr(engine, "runtime")
-
-
-# 8 ---------------------------------------------------------------------------------
-
 def _run_script(code: str, **kwargs):
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, timeout=HANG, **kwargs)
 
+
+def test_shutdown_frees_the_models_on_the_worker_and_hands_none_out():
+    # in its own process: other tests' engines free memory at times of their own
+    run = _run_script("""
+        import gc
+        import mlx.core as mx
+        from specprefill_engine import Engine
+        gc.collect()
+        before = mx.get_active_memory()
+        engine = Engine().start_sync()
+        engine.generate_sync("def f():", max_tokens=4)
+        loaded = mx.get_active_memory()
+        engine.shutdown_sync()
+        print(loaded - before, mx.get_active_memory() - before, hasattr(engine, "runtime"))
+    """)
+    assert run.returncode == 0, run.stderr
+    loaded, left, has_runtime = run.stdout.split()
+    assert int(loaded) > 20e6  # the pair really was loaded (~64 MB in float32)
+    assert int(left) < 2e6  # freed while the Engine object lives on
+    assert has_runtime == "False"
+
+
+# 8 ---------------------------------------------------------------------------------
 
 def test_a_process_exiting_with_a_request_in_flight_exits_cleanly():
     run = _run_script("""
