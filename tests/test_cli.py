@@ -1,18 +1,20 @@
 """The command line, run as a user runs it (a subprocess)."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
+from specprefill_engine.cli import parser
 from specprefill_engine.demo_tasks import make_case
 
 
-def cli(*args, timeout=300):
+def cli(*args, timeout=300, input=None):
     return subprocess.run(
         [sys.executable, "-m", "specprefill_engine.cli", *args],
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True, text=True, timeout=timeout, input=input,
     )
 
 
@@ -65,3 +67,27 @@ def test_bench_and_eval_run_quick_versions():
     evaluate = cli("eval", "--lengths", "512", "--cases", "1", "--keeps", "0.3")
     assert evaluate.returncode == 0, evaluate.stderr
     assert "specprefill@0.3" in evaluate.stdout and "random@0.3" in evaluate.stdout
+    assert re.search(r"^eval: (\d+)/\1 tokens \(", evaluate.stderr, re.M), evaluate.stderr
+
+
+def test_piped_progress_in_tokens_per_phase_and_the_cut_answer():
+    run = cli("demo", "--tokens", "2000", "--compare", "--max-tokens", "2")
+    assert run.returncode == 0, run.stderr
+    err = run.stderr
+    prompt, kept = map(int, re.search(r"prompt (\d+) tokens, kept (\d+)/", err).groups())
+    assert re.search(r"^scoring: (\d+)/\1 tokens \(", err, re.M), err  # the draft's phase
+    assert re.search(rf"^prefill: {kept}/{kept} tokens \(", err, re.M), err  # the target's
+    assert re.search(rf"^dense prefill: {prompt}/{prompt} tokens \(", err, re.M), err
+    assert "\r" not in err  # plain lines when stderr is not a terminal
+    assert "stopped at --max-tokens 2; raise it" in err
+    assert len(run.stdout.strip()) == 2  # the cut answer: two digits
+
+
+def test_quiet_leaves_only_what_the_user_must_know(tmp_path):
+    assert parser().parse_args(["ask", "f.txt", "-q", "why?"]).max_tokens == 512
+    (tmp_path / "doc.txt").write_text("x = 1\n")
+    run = cli("ask", str(tmp_path / "doc.txt"), "-q", "What is x?", "--max-tokens", "1",
+              "--quiet")
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "stopped at --max-tokens 1; raise it for a longer answer"]
