@@ -26,6 +26,7 @@ the target) goes to stderr: one line per phase on a terminal, a plain line every
 seconds otherwise; --quiet turns it off.
 """
 PROGRESS_INTERVAL = 5.0  # seconds between plain progress lines when stderr is not a terminal
+DEMO_MIN_TOKENS = 100  # room for the hidden facts and the question
 PROGRESS_FLOOR = 1.0  # a phase done within its first report and this many seconds: not shown
 
 
@@ -34,10 +35,16 @@ class UsageError(Exception):
 
 
 def read_document(path: str) -> str:
+    """A text file's contents; `-` reads stdin."""
     file = Path(path)
-    if not file.is_file():
+    if path == "-":
+        data = sys.stdin.buffer.read()
+    elif file.is_dir():
+        raise UsageError(f"{path} is a directory; give text files")
+    elif not file.is_file():
         raise UsageError(f"no such file: {path}")
-    data = file.read_bytes()
+    else:
+        data = file.read_bytes()
     if b"\0" in data:
         raise UsageError(f"{path} looks like a binary file; give text files")
     try:
@@ -135,7 +142,7 @@ def notes(final, max_tokens: int) -> list:
 def answer(engine, messages, args) -> tuple:
     """Stream one answer (to stdout unless --json); return (text, final chunk)."""
     progress = ProgressLine(not args.quiet)
-    specprefill = False if args.no_specprefill else None
+    specprefill = True if args.specprefill else False if args.no_specprefill else None
     parts, final = [], None
     for chunk in engine.stream_sync(messages, max_tokens=args.max_tokens,
                                     specprefill=specprefill, on_progress=progress):
@@ -240,6 +247,8 @@ def read_message(terminal: bool) -> Optional[str]:
 
 def cmd_chat(args) -> int:
     """Turns from stdin; the files (--file) open the first user message."""
+    if "-" in (args.file or []):
+        raise UsageError("chat reads its messages from stdin: --file - cannot be stdin too")
     documents = {path: read_document(path) for path in args.file or []}
     messages = system_messages(args.system)
     terminal = sys.stdin.isatty()
@@ -328,7 +337,10 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--draft", help="draft model sharing the target's tokenizer (default: bundled demo)")
     common.add_argument("--keep", type=float, default=0.3, help="share of prompt tokens to prefill (default 0.3)")
     common.add_argument("--threshold", type=int, default=1024, help="use SpecPrefill from this many prompt tokens")
-    common.add_argument("--no-specprefill", action="store_true", help="prefill the whole prompt")
+    choice = common.add_mutually_exclusive_group()
+    choice.add_argument("--specprefill", action="store_true",
+                        help="always use SpecPrefill (default: when it is predicted to pay)")
+    choice.add_argument("--no-specprefill", action="store_true", help="prefill the whole prompt")
     common.add_argument("--max-tokens", type=int, default=512,
                         help="most tokens in an answer (default 512)")
     common.add_argument("--json", action="store_true",
@@ -347,7 +359,7 @@ def parser() -> argparse.ArgumentParser:
     )
     commands = top.add_subparsers(dest="command", required=True)
     ask = commands.add_parser("ask", parents=[common], help="answer a question about files")
-    ask.add_argument("files", nargs="+", help="text files to read")
+    ask.add_argument("files", nargs="+", help="text files to read (- reads stdin)")
     ask.add_argument("-q", "--question", required=True)
     ask.add_argument("--system", help="a system message before the files and question")
     ask.set_defaults(run=cmd_ask)
@@ -408,6 +420,9 @@ def main(argv=None) -> int:
         return 2
     if getattr(args, "max_tokens", 1) < 1:
         print("error: --max-tokens must be at least 1", file=sys.stderr)
+        return 2
+    if getattr(args, "tokens", DEMO_MIN_TOKENS) < DEMO_MIN_TOKENS:
+        print(f"error: --tokens must be at least {DEMO_MIN_TOKENS}", file=sys.stderr)
         return 2
     from .loading import ModelLoadError
 

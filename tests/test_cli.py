@@ -47,6 +47,8 @@ def test_ask_streams_the_answer_and_a_summary(tmp_path, demo_pair):
         (lambda p: ["ask", str(p / "doc.txt"), "-q", "why?", "--model", str(p / "nope")], "does not exist"),
         (lambda p: ["ask", str(p / "huge.txt"), "-q", "why?"], "longer than the model's context"),
         (lambda p: ["ask", str(p / "doc.txt"), "-q", "why?", "--keep", "2"], "--keep"),
+        (lambda p: ["ask", str(p), "-q", "why?"], "is a directory"),
+        (lambda p: ["demo", "--tokens", "-5"], "--tokens must be at least"),
     ],
 )
 def test_user_errors_print_one_line_and_exit_nonzero(tmp_path, make_args, message):
@@ -91,3 +93,13 @@ def test_quiet_leaves_only_what_the_user_must_know(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stderr.strip().splitlines() == [
         "stopped at --max-tokens 1; raise it for a longer answer"]
+
+
+def test_ask_reads_stdin_and_can_force_specprefill(demo_pair):
+    _, _, tokenizer = demo_pair
+    case = make_case(tokenizer, 5, "passkey", 600)  # below the threshold: the policy says dense
+    run = cli("ask", "-", "-q", case.question, "--specprefill", "--json", input=case.context)
+    assert run.returncode == 0, run.stderr
+    payload = json.loads(run.stdout)
+    assert payload["specprefill"]["engaged"] and payload["specprefill"]["reason"] == "requested"
+    assert payload["usage"]["prompt_tokens"] > 500  # the document came through stdin
