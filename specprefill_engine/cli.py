@@ -26,8 +26,8 @@ the target) goes to stderr: one line per phase on a terminal, a plain line every
 seconds otherwise; --quiet turns it off.
 """
 PROGRESS_INTERVAL = 5.0  # seconds between plain progress lines when stderr is not a terminal
-DEMO_MIN_TOKENS = 100  # room for the hidden facts and the question
 PROGRESS_FLOOR = 1.0  # a phase done within its first report and this many seconds: not shown
+DEMO_MIN_TOKENS = 100  # room for the hidden facts and the question
 
 
 class UsageError(Exception):
@@ -156,14 +156,14 @@ def answer(engine, messages, args) -> tuple:
     return "".join(parts), final
 
 
-def dense_ttft(engine, messages, args) -> float:
+def dense_run(engine, messages, args):
     """--compare: a dense prefill of the same prompt, cold (the answer's own prefill
     may sit in the prefix cache), with its own progress."""
     progress = ProgressLine(not args.quiet, label="dense ")
     dense = engine.generate_sync(messages, max_tokens=1, specprefill=False, cache_prompt=False,
                                  on_progress=progress)
     progress.end()
-    return dense.timings.time_to_first_token
+    return dense
 
 
 def ask(engine, messages, args, expected=None, indent: Optional[int] = 2) -> str:
@@ -173,7 +173,7 @@ def ask(engine, messages, args, expected=None, indent: Optional[int] = 2) -> str
         text, final = answer(engine, messages, args)
         if not args.json:
             print(flush=True)  # the answer's line ends before anything else is written
-        dense = dense_ttft(engine, messages, args) if args.compare else None
+        dense = dense_run(engine, messages, args) if args.compare else None
     except (ValueError, TypeError) as error:  # the request was refused before it ran
         raise UsageError(str(error)) from None
     if args.json:
@@ -184,7 +184,8 @@ def ask(engine, messages, args, expected=None, indent: Optional[int] = 2) -> str
             "usage": asdict(final.usage),
             "timings": asdict(final.timings),
             "specprefill": asdict(final.specprefill),
-            "dense_time_to_first_token": dense,
+            "dense_time_to_first_token": dense and dense.timings.time_to_first_token,
+            "dense_cached_tokens": dense and dense.usage.cached_tokens,
             "ranks": engine.info.ranks,
         }
         if expected is not None:
@@ -194,7 +195,7 @@ def ask(engine, messages, args, expected=None, indent: Optional[int] = 2) -> str
     for line in notes(final, args.max_tokens):
         print(line, file=sys.stderr)
     if not args.quiet:
-        print(summary(final, dense), file=sys.stderr)
+        print(summary(final, dense and dense.timings.time_to_first_token), file=sys.stderr)
     if expected is not None:
         verdict = "correct" if text.strip() == expected else "WRONG"
         print(f"expected {expected}: {verdict}", file=sys.stderr)

@@ -26,7 +26,7 @@ def test_a_string_is_raw_text_and_chat_true_applies_the_template(engine):
                                              add_generation_prompt=True)
     assert as_chat.usage.prompt_tokens == len(template) > raw.usage.prompt_tokens
     assert as_chat.token_ids == messages.token_ids and as_chat.text.strip()
-    with pytest.raises(ValueError, match="chat=True applies to a string prompt"):
+    with pytest.raises(ValueError, match="chat=True applies to a string prompt; token ids"):
         engine.generate_sync([1, 2, 3], chat=True)
     with pytest.raises(TypeError, match="chat must be True or False"):
         engine.generate_sync(QUESTION, chat="yes")

@@ -63,12 +63,19 @@ def test_a_long_system_message_keeps_its_ends_and_the_tools_whole(demo_pair):
         assert abs(kept.size - estimate) <= 32 + 32 + 8  # a chunk, the tail, the sink
 
 
-def test_an_agent_with_a_document_in_its_system_prompt_uses_specprefill(demo_pair):
+def test_an_agent_with_a_document_in_its_system_prompt_uses_specprefill(demo_pair, tmp_path,
+                                                                         monkeypatch):
     _, _, tokenizer = demo_pair
     case = make_case(tokenizer, 0, "registry", 3000)
+    # a new user's first request: a fresh engine, no prefill costs observed before it
+    monkeypatch.setenv("SPECPREFILL_CACHE_DIR", str(tmp_path))
     llm = ChatSpecPrefill(max_tokens=16)  # the automatic policy decides
+    llm.close()
     agent = agents.create_agent(llm, [get_weather], system_prompt=case.context)
-    messages = agent.invoke({"messages": [HumanMessage(case.question)]})["messages"]
+    try:
+        messages = agent.invoke({"messages": [HumanMessage(case.question)]})["messages"]
+    finally:
+        llm.close()
     reply = messages[-1]
     assert isinstance(reply, AIMessage) and not reply.tool_calls
     assert reply.content.strip() == case.answer

@@ -33,10 +33,10 @@ from specprefill_engine import Engine
 from specprefill_engine.engine.chat import render_chat, tools_problem
 from specprefill_engine.engine.runtime import EngineConfig
 from specprefill_engine.engine.sampling import SamplingParams, check_keywords
-from specprefill_engine.loading import DTYPES, resolve_dtype
 from specprefill_engine.engine.tool_calls import (
     OutputParser, ToolsNotSupportedError, check_tool_choice, tool_choice_format,
 )
+from specprefill_engine.loading import DTYPES, resolve_dtype
 
 from .messages import to_chat_messages
 from .parsers import (

@@ -8,10 +8,10 @@ templating run off the event loop, in a thread of asyncio's pool.
 """
 
 import asyncio
+import inspect
 import itertools
 import logging
 import math
-import inspect
 import queue
 import threading
 import weakref
@@ -46,10 +46,8 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: Optional[
     rendered = None
     if chat and isinstance(prompt, str) and prompt:
         prompt = [{"role": "user", "content": prompt}]
-    elif chat and not (isinstance(prompt, Rendered) or (isinstance(prompt, (list, tuple)) and
-                                                         all(isinstance(m, dict) for m in prompt))):
-        raise ValueError("chat=True applies to a string prompt (or chat messages); token "
-                         "ids are sent as they are")
+    elif chat and isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], dict):
+        raise ValueError("chat=True applies to a string prompt; token ids are sent as they are")
     if isinstance(prompt, Rendered):
         if tools is not None or chat_template_kwargs is not None:
             raise ValueError("a Rendered prompt holds its tools and chat_template_kwargs; "
@@ -364,8 +362,8 @@ class Engine:
         `prompt`: a string (raw text, no chat template), chat messages, a chat rendered
         by `chat.render_chat`, or token ids. Keyword arguments: `chat` (True: a string
         prompt is one user message, sent through the chat template), the SamplingParams
-        fields (max_tokens, temperature,
-        top_p, top_k, min_p, repetition_penalty, seed, stop, stop_token_ids), `specprefill`
+        fields (max_tokens, temperature, top_p, top_k (below the vocabulary size),
+        min_p, repetition_penalty, seed, stop, stop_token_ids), `specprefill`
         (None: engine policy), `keep`, `threshold`, `tools` and `chat_template_kwargs`
         (passed to the chat template), `response_format` (constrained decoding, see
         `constrained.py`), `logits_processors` (callables `(generated, logits) -> logits`,

@@ -70,10 +70,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if isinstance(self.system_message_cap, bool) or not isinstance(
-                self.system_message_cap, int) or self.system_message_cap < 0:
-            raise ValueError(f"system_message_cap must be an integer >= 0, got "
-                             f"{self.system_message_cap!r}")
+        cap = self.system_message_cap
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise ValueError(f"system_message_cap must be an integer >= 0, got {cap!r}")
         if self.densify not in ("idle", "off"):
             raise ValueError(f"densify must be 'idle' or 'off', got {self.densify!r}")
         if not (isinstance(self.rank_timeout, (int, float)) and self.rank_timeout > 0):
