@@ -276,7 +276,8 @@ class ChatSpecPrefill(BaseChatModel):
                 response_format = {**response_format, "reasoning_budget": budget}
             options["response_format"] = response_format
         rendered = render_chat(tokenizer, chat, tools, self._template_kwargs(kwargs),
-                               engine.config.recent_message_cap)
+                               engine.config.recent_message_cap,
+                               system_cap=engine.config.system_message_cap)
         parser = OutputParser(tokenizer, parse_tools=choice != "none", tools=tools,
                               in_reasoning=rendered.think_open)
         return rendered, options, parser, kwargs.get("timeout", self.timeout)
