@@ -77,7 +77,7 @@ def test_piped_progress_in_tokens_per_phase_and_the_cut_answer():
     assert run.returncode == 0, run.stderr
     err = run.stderr
     prompt, kept = map(int, re.search(r"prompt (\d+) tokens, kept (\d+)/", err).groups())
-    assert re.search(r"^scoring: (\d+)/\1 tokens \(", err, re.M), err  # the draft's phase
+    assert re.search(rf"^scoring: {prompt}/{prompt} tokens \(", err, re.M), err  # the draft
     assert re.search(rf"^prefill: {kept}/{kept} tokens \(", err, re.M), err  # the target's
     assert re.search(rf"^dense prefill: {prompt}/{prompt} tokens \(", err, re.M), err
     assert "\r" not in err  # plain lines when stderr is not a terminal
