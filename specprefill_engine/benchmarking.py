@@ -23,6 +23,7 @@ from .core import (
 from .core.selection import effective_chunk_size, forced_tokens
 from .demo_tasks import KINDS, make_case
 from .engine import Engine
+from .engine.results import Progress
 from .loading import DEMO_DRAFT, load_model
 
 Report = Optional[Callable[[str], None]]
@@ -171,18 +172,21 @@ def quality_cases(tokenizer, kinds, lengths, n_cases: int, seed: int = 0) -> lis
 
 
 def quality_rows(cases: list, keeps, random_control: bool = True, report: Report = None,
-                 configs: Optional[dict] = None, **scoring) -> list:
+                 configs: Optional[dict] = None,
+                 on_progress: Optional[Callable[[Progress], None]] = None, **scoring) -> list:
     """Per case: whether dense, SpecPrefill at each keep, and random selection answer right.
 
     `scoring` goes to `score_tokens` (n_lookahead, n_window, ...). `configs`, when given,
     maps a column name to (score_tokens kwargs, select_chunks kwargs); the first one is
-    named `specprefill` and sets the random control's sizes, all share the dense answer."""
+    named `specprefill` and sets the random control's sizes, all share the dense answer.
+    `on_progress` gets Progress("eval", prompt tokens done, in all) after each case."""
     configs = configs or {"specprefill": (scoring, {})}
     model, tokenizer = load_model()
     draft, _ = load_model(default=DEMO_DRAFT)
     eos = set(tokenizer.eos_token_ids)
     rng = random.Random(0)
     rows = []
+    total, done = sum(len(case["ids"]) for case in cases), 0
     for number, case in enumerate(cases, 1):
         ids, answer = case["ids"], case["answer"]
         n = len(answer) + 1
@@ -204,6 +208,9 @@ def quality_rows(cases: list, keeps, random_control: bool = True, report: Report
                     control = random_selection(rng, len(ids), int(kept.size), keep_pct=keep)
                     row[f"random@{keep}"] = right(sparse_answer(model, ids, control, n, eos))
         rows.append(row)
+        done += len(ids)
+        if on_progress:
+            on_progress(Progress("eval", done, total))
         if report and number % 10 == 0:
             report(f"quality: {number}/{len(cases)} cases")
     return rows

@@ -6,18 +6,28 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
 EXAMPLES = """examples:
   specprefill-engine demo                      # the main job on a generated document
   specprefill-engine ask notes.py --question "What is the secret passkey?"
   specprefill-engine ask a.py b.py -q "What is REGISTRY[\\"412-cobalt\\"]?" --compare
-  specprefill-engine chat
+  specprefill-engine chat --file notes.py --system "Answer briefly."
   specprefill-engine bench                     # quick TTFT: dense vs SpecPrefill vs mlx-lm
   specprefill-engine eval                      # quick accuracy: dense vs SpecPrefill vs random
   specprefill-engine serve --port 8000         # OpenAI- and Anthropic-compatible HTTP server
+
+ask, demo and chat send the files and the question as chat messages, through the
+model's chat template. Progress (prompt tokens scored by the draft, then prefilled by
+the target) goes to stderr: one line per phase on a terminal, a plain line every few
+seconds otherwise; --quiet turns it off.
 """
+PROGRESS_INTERVAL = 5.0  # seconds between plain progress lines when stderr is not a terminal
+PROGRESS_FLOOR = 1.0  # a phase done within its first report and this many seconds: not shown
+DEMO_MIN_TOKENS = 100  # room for the hidden facts and the question
 
 
 class UsageError(Exception):
@@ -25,10 +35,16 @@ class UsageError(Exception):
 
 
 def read_document(path: str) -> str:
+    """A text file's contents; `-` reads stdin."""
     file = Path(path)
-    if not file.is_file():
+    if path == "-":
+        data = sys.stdin.buffer.read()
+    elif file.is_dir():
+        raise UsageError(f"{path} is a directory; give text files")
+    elif not file.is_file():
         raise UsageError(f"no such file: {path}")
-    data = file.read_bytes()
+    else:
+        data = file.read_bytes()
     if b"\0" in data:
         raise UsageError(f"{path} looks like a binary file; give text files")
     try:
@@ -37,33 +53,59 @@ def read_document(path: str) -> str:
         raise UsageError(f"{path} is not UTF-8 text") from None
 
 
-def build_messages(documents: dict, question: str) -> list:
-    """All files, each under its name, then the question, in one user turn."""
+def build_messages(documents: dict, question: str, system: Optional[str] = None) -> list:
+    """All files, each under its name, then the question, in one user turn (after
+    the system message, when given)."""
     if not question or not question.strip():
         raise UsageError("the question is empty")
-    body = "\n".join(f"# file: {name}\n{text}" for name, text in documents.items())
-    return [{"role": "user", "content": f"{body}\n{question.strip()}"}]
+    body = "".join(f"# file: {name}\n{text}\n" for name, text in documents.items())
+    return system_messages(system) + [{"role": "user", "content": f"{body}{question.strip()}"}]
+
+
+def system_messages(system: Optional[str]) -> list:
+    return [{"role": "system", "content": system}] if system else []
 
 
 class ProgressLine:
-    """A one-line progress bar on a terminal's stderr; silent when piped."""
+    """The engine's progress on stderr, one line per phase, in prompt tokens: redrawn
+    in place on a terminal; otherwise a plain line every `interval` seconds and when
+    the phase ends. `label` names whose work it is; a phase over at once is not shown."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, label: str = "", interval: float = PROGRESS_INTERVAL):
+        self.enabled, self.label, self.interval = enabled, label, interval
+        self.terminal = sys.stderr.isatty()
+        self.phase: Optional[str] = None
+        self.last = self.started = self.written = time.monotonic()
+        self.shown = False
 
     def __call__(self, progress) -> None:
         if not self.enabled:
             return
-        width = 30
-        filled = int(width * progress.done / max(progress.total, 1))
-        bar = "#" * filled + "-" * (width - filled)
-        sys.stderr.write(f"\r{progress.phase:>8} [{bar}] {progress.done}/{progress.total}")
+        phase, now = f"{self.label}{progress.phase}", time.monotonic()
+        first = phase != self.phase
+        if first:  # it started when the last phase's work ended
+            self.end()
+            self.phase, self.started, self.written = phase, self.last, now
+        self.last = now
+        done, total, elapsed = progress.done, progress.total, now - self.started
+        if first and done >= total and elapsed < PROGRESS_FLOOR:
+            return
+        counts = f"{done}/{total} tokens ({elapsed:.1f}s)"
+        if self.terminal:
+            bar = "#" * (30 * done // max(total, 1))
+            sys.stderr.write(f"\r{phase:>14} [{bar:-<30}] {counts}")
+            self.shown = True
+        elif done >= total or now - self.written >= self.interval:
+            sys.stderr.write(f"{phase}: {counts}\n")
+            self.written, self.shown = now, True
         sys.stderr.flush()
 
-    def clear(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r" + " " * 70 + "\r")
+    def end(self) -> None:
+        """A phase is over: on a terminal its line stays, and the next starts below."""
+        if self.enabled and self.terminal and self.shown:
+            sys.stderr.write("\n")
             sys.stderr.flush()
+        self.phase, self.shown = None, False
 
 
 def make_engine(args):
@@ -75,25 +117,37 @@ def make_engine(args):
 def summary(result, dense_ttft=None) -> str:
     report, timings, usage = result.specprefill, result.timings, result.usage
     kept = f"kept {report.kept_tokens}/{report.total_tokens}" if report.engaged else f"dense ({report.reason})"
+    cached = f", {usage.cached_tokens} from the prefix cache" if usage.cached_tokens else ""
     line = (
-        f"prompt {usage.prompt_tokens} tokens, {kept}, TTFT {timings.time_to_first_token:.2f}s, "
-        f"decode {timings.decode_tokens_per_s:.1f} tok/s"
+        f"prompt {usage.prompt_tokens} tokens{cached}, {kept}, "
+        f"TTFT {timings.time_to_first_token:.2f}s, decode {timings.decode_tokens_per_s:.1f} tok/s"
     )
     if dense_ttft is not None:
         line += f", dense TTFT {dense_ttft:.2f}s ({dense_ttft / timings.time_to_first_token:.1f}x)"
     return line
 
 
+def notes(final, max_tokens: int) -> list:
+    """What the user must know about an answer: the engine's warnings, and a cut."""
+    lines = [f"warning: {warning}" for warning in final.warnings]
+    if final.finish_reason == "length":
+        if final.usage.completion_tokens >= max_tokens:
+            lines.append(f"stopped at --max-tokens {max_tokens}; raise it for a longer answer")
+        else:
+            lines.append(f"stopped after {final.usage.completion_tokens} tokens: the model's "
+                         "context is full")
+    return lines
+
+
 def answer(engine, messages, args) -> tuple:
-    """Stream one answer to stdout; return (text, final chunk)."""
-    progress = ProgressLine(sys.stderr.isatty() and not args.json)
+    """Stream one answer (to stdout unless --json); return (text, final chunk)."""
+    progress = ProgressLine(not args.quiet)
+    specprefill = True if args.specprefill else False if args.no_specprefill else None
     parts, final = [], None
-    for chunk in engine.stream_sync(
-        messages, max_tokens=args.max_tokens,
-        specprefill=False if args.no_specprefill else None, on_progress=progress,
-    ):
+    for chunk in engine.stream_sync(messages, max_tokens=args.max_tokens,
+                                    specprefill=specprefill, on_progress=progress):
         if not parts:
-            progress.clear()
+            progress.end()
         parts.append(chunk.text)
         if not args.json:
             sys.stdout.write(chunk.text)
@@ -102,46 +156,58 @@ def answer(engine, messages, args) -> tuple:
     return "".join(parts), final
 
 
-def ask(engine, messages, args, expected=None) -> int:
-    """Answer, then print a one-line summary (or JSON)."""
+def dense_run(engine, messages, args):
+    """--compare: a dense prefill of the same prompt, cold (the answer's own prefill
+    may sit in the prefix cache), with its own progress."""
+    progress = ProgressLine(not args.quiet, label="dense ")
+    dense = engine.generate_sync(messages, max_tokens=1, specprefill=False, cache_prompt=False,
+                                 on_progress=progress)
+    progress.end()
+    return dense
+
+
+def ask(engine, messages, args, expected=None, indent: Optional[int] = 2) -> str:
+    """Answer, then print a one-line summary and notes on stderr (or JSON on stdout);
+    return the answer's text."""
     try:
         text, final = answer(engine, messages, args)
-        dense_ttft, dense_cached = None, None
-        if args.compare:  # cold: the answer's own prefill may sit in the prefix cache
-            dense = engine.generate_sync(messages, max_tokens=1, specprefill=False,
-                                         cache_prompt=False)
-            dense_ttft = dense.timings.time_to_first_token
-            dense_cached = dense.usage.cached_tokens
+        if not args.json:
+            print(flush=True)  # the answer's line ends before anything else is written
+        dense = dense_run(engine, messages, args) if args.compare else None
     except (ValueError, TypeError) as error:  # the request was refused before it ran
         raise UsageError(str(error)) from None
     if args.json:
         payload = {
             "answer": text,
             "finish_reason": final.finish_reason,
+            "warnings": final.warnings,
             "usage": asdict(final.usage),
             "timings": asdict(final.timings),
             "specprefill": asdict(final.specprefill),
-            "dense_time_to_first_token": dense_ttft,
-            "dense_cached_tokens": dense_cached,
+            "dense_time_to_first_token": dense and dense.timings.time_to_first_token,
+            "dense_cached_tokens": dense and dense.usage.cached_tokens,
             "ranks": engine.info.ranks,
         }
         if expected is not None:
             payload["expected"] = expected
-        print(json.dumps(payload, indent=2))
-    else:
-        print()
-        print(summary(final, dense_ttft), file=sys.stderr)
-        if expected is not None:
-            verdict = "correct" if text.strip() == expected else "WRONG"
-            print(f"expected {expected}: {verdict}", file=sys.stderr)
-    return 0
+        print(json.dumps(payload, indent=indent), flush=True)
+        return text
+    for line in notes(final, args.max_tokens):
+        print(line, file=sys.stderr)
+    if not args.quiet:
+        print(summary(final, dense and dense.timings.time_to_first_token), file=sys.stderr)
+    if expected is not None:
+        verdict = "correct" if text.strip() == expected else "WRONG"
+        print(f"expected {expected}: {verdict}", file=sys.stderr)
+    return text
 
 
 def cmd_ask(args) -> int:
     documents = {path: read_document(path) for path in args.files}
-    messages = build_messages(documents, args.question)
+    messages = build_messages(documents, args.question, args.system)
     with make_engine(args) as engine:
-        return ask(engine, messages, args)
+        ask(engine, messages, args)
+    return 0
 
 
 def cmd_demo(args) -> int:
@@ -152,29 +218,59 @@ def cmd_demo(args) -> int:
         case = make_case(engine.tokenizer, args.seed, "registry", args.tokens)
         path = Path(args.output or Path(tempfile.gettempdir()) / "specprefill-demo.py")
         path.write_text(case.context)
-        if not args.json:
+        if not (args.json or args.quiet):
             print(f"document: {path} (about {args.tokens} tokens of Python source with "
                   f"facts hidden in it)\nquestion: {case.question}", file=sys.stderr)
-        return ask(engine, build_messages({path.name: case.context}, case.question), args,
-                   expected=case.answer)
+        ask(engine, build_messages({path.name: case.context}, case.question), args,
+            expected=case.answer)
+    return 0
+
+
+def read_message(terminal: bool) -> Optional[str]:
+    """One chat message from stdin: lines up to two empty lines in a row or the end
+    of input (Ctrl-D on a terminal), so pasted text with blank lines stays one
+    message. None at the end of input with nothing typed."""
+    lines, empty = [], 0
+    while True:
+        try:
+            line = input(("... " if lines else "> ") if terminal else "")
+        except EOFError:
+            break
+        if line.strip():
+            lines.extend([""] * empty + [line])
+            empty = 0
+        elif lines:
+            empty += 1
+            if empty == 2:
+                break
+    return "\n".join(lines) if lines else None
 
 
 def cmd_chat(args) -> int:
-    messages = []
+    """Turns from stdin; the files (--file) open the first user message."""
+    if "-" in (args.file or []):
+        raise UsageError("chat reads its messages from stdin: --file - cannot be stdin too")
+    documents = {path: read_document(path) for path in args.file or []}
+    messages = system_messages(args.system)
+    terminal = sys.stdin.isatty()
     with make_engine(args) as engine:
-        print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
+        if terminal and not args.quiet:
+            print("chat with the model: type or paste a message, then two empty lines (or "
+                  "Ctrl-D) send it; Ctrl-D on an empty message ends", file=sys.stderr)
         while True:
+            text = read_message(terminal)
+            if text is None:
+                break
+            if not any(message["role"] == "user" for message in messages):
+                text = build_messages(documents, text)[-1]["content"]
+            messages.append({"role": "user", "content": text})
             try:
-                line = input("> ")
-            except EOFError:
-                break
-            if not line.strip():
-                break
-            messages.append({"role": "user", "content": line})
-            text, final = answer(engine, messages, args)
-            print()
-            print(f"{summary(final)}, cached {final.usage.cached_tokens}", file=sys.stderr)
-            messages.append({"role": "assistant", "content": text})
+                reply = ask(engine, messages, args, indent=None)
+            except UsageError as error:  # this message was refused: the chat goes on
+                print(f"error: {error}", file=sys.stderr)
+                messages.pop()
+                continue
+            messages.append({"role": "assistant", "content": reply})
     return 0
 
 
@@ -195,7 +291,9 @@ def cmd_eval(args) -> int:
 
     _, tokenizer = load_model()
     cases = quality_cases(tokenizer, KINDS, args.lengths, args.cases)
-    rows = quality_rows(cases, args.keeps, report=lambda m: print(m, file=sys.stderr, flush=True))
+    progress = ProgressLine(not args.quiet)
+    rows = quality_rows(cases, args.keeps, on_progress=progress)
+    progress.end()
     print(quality_table(rows))
     return 0
 
@@ -240,10 +338,18 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--draft", help="draft model sharing the target's tokenizer (default: bundled demo)")
     common.add_argument("--keep", type=float, default=0.3, help="share of prompt tokens to prefill (default 0.3)")
     common.add_argument("--threshold", type=int, default=1024, help="use SpecPrefill from this many prompt tokens")
-    common.add_argument("--no-specprefill", action="store_true", help="prefill the whole prompt")
-    common.add_argument("--max-tokens", type=int, default=64)
-    common.add_argument("--json", action="store_true", help="print the result as JSON")
-    common.add_argument("--compare", action="store_true", help="also time a dense prefill")
+    choice = common.add_mutually_exclusive_group()
+    choice.add_argument("--specprefill", action="store_true",
+                        help="always use SpecPrefill (default: when it is predicted to pay)")
+    choice.add_argument("--no-specprefill", action="store_true", help="prefill the whole prompt")
+    common.add_argument("--max-tokens", type=int, default=512,
+                        help="most tokens in an answer (default 512)")
+    common.add_argument("--json", action="store_true",
+                        help="print the result as JSON (chat: one JSON line per answer)")
+    common.add_argument("--compare", action="store_true",
+                        help="also time a dense prefill of the same prompt")
+    common.add_argument("--quiet", action="store_true",
+                        help="no progress or summary on stderr (warnings still)")
 
     top = argparse.ArgumentParser(
         prog="specprefill-engine",
@@ -254,15 +360,23 @@ def parser() -> argparse.ArgumentParser:
     )
     commands = top.add_subparsers(dest="command", required=True)
     ask = commands.add_parser("ask", parents=[common], help="answer a question about files")
-    ask.add_argument("files", nargs="+", help="text files to read")
+    ask.add_argument("files", nargs="+", help="text files to read (- reads stdin)")
     ask.add_argument("-q", "--question", required=True)
+    ask.add_argument("--system", help="a system message before the files and question")
     ask.set_defaults(run=cmd_ask)
     demo = commands.add_parser("demo", parents=[common], help="the main job on a generated document")
     demo.add_argument("--tokens", type=int, default=6000, help="document length (default 6000)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--output", help="where to write the document")
     demo.set_defaults(run=cmd_demo)
-    chat = commands.add_parser("chat", parents=[common], help="interactive chat (reuses the prefix cache)")
+    chat = commands.add_parser(
+        "chat", parents=[common], help="interactive chat (reuses the prefix cache)",
+        description="Chat with the model. A message may span lines (paste freely): two "
+        "empty lines in a row, or Ctrl-D, send it; Ctrl-D on an empty message ends. Piped "
+        "stdin works the same way.")
+    chat.add_argument("--file", action="append", metavar="PATH",
+                      help="a text file to open the first message with (repeatable)")
+    chat.add_argument("--system", help="a system message")
     chat.set_defaults(run=cmd_chat)
     bench = commands.add_parser("bench", help="quick time-to-first-token comparison on the demo pair")
     bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
@@ -273,6 +387,7 @@ def parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--lengths", type=int, nargs="+", default=[1024])
     evaluate.add_argument("--cases", type=int, default=5, help="cases per task kind and length")
     evaluate.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.3])
+    evaluate.add_argument("--quiet", action="store_true", help="no progress on stderr")
     evaluate.set_defaults(run=cmd_eval)
     serve = commands.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
     for name in ("--model", "--draft", "--keep", "--threshold"):
@@ -306,6 +421,9 @@ def main(argv=None) -> int:
         return 2
     if getattr(args, "max_tokens", 1) < 1:
         print("error: --max-tokens must be at least 1", file=sys.stderr)
+        return 2
+    if getattr(args, "tokens", DEMO_MIN_TOKENS) < DEMO_MIN_TOKENS:
+        print(f"error: --tokens must be at least {DEMO_MIN_TOKENS}", file=sys.stderr)
         return 2
     from .loading import ModelLoadError
 

@@ -51,6 +51,22 @@ def default_dtype() -> Optional[mx.Dtype]:
     return mx.float32 if mx.default_device() == mx.cpu else None
 
 
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def resolve_dtype(dtype):
+    """`dtype` as the weights take it: "auto" (`default_dtype()` when loading), None
+    (the stored dtype), or one of DTYPES given by name or as the `mx` dtype."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, mx.Dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype must be 'auto', None, or one of {', '.join(map(repr, DTYPES))} "
+                     f"(a name or the mx dtype), got {dtype!r}")
+
+
 class TextOnly(nn.Module):
     """The language model of an mlx-vlm model, called as mlx-lm calls its models
     (returns logits). Text-only requests run through it; its `language_model` holds
@@ -126,6 +142,7 @@ def load_model(name: Optional[str] = None, default: Path = DEMO_TARGET, dtype="a
     """Return (model, tokenizer) for a path, a hub id, or the demo default; with a
     distributed `group`, this rank's tensor-parallel shard of the model."""
     source = resolve_model_path(name, default)
+    dtype = resolve_dtype(dtype)
     try:
         model, tokenizer = _load(source) if group is None else _load_sharded(source, group)
     except ModelLoadError:
@@ -138,7 +155,7 @@ def load_model(name: Optional[str] = None, default: Path = DEMO_TARGET, dtype="a
     warned = getattr(tokenizer, "deprecation_warnings", None)
     if isinstance(warned, dict):
         warned["sequence-length-is-longer-than-the-specified-maximum"] = True
-    dtype = default_dtype() if dtype == "auto" else dtype
+    dtype = default_dtype() if isinstance(dtype, str) else dtype  # "auto"
     if dtype is not None:
         model.set_dtype(dtype)
     if group is not None:

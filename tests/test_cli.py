@@ -1,18 +1,20 @@
 """The command line, run as a user runs it (a subprocess)."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
+from specprefill_engine.cli import parser
 from specprefill_engine.demo_tasks import make_case
 
 
-def cli(*args, timeout=300):
+def cli(*args, timeout=300, input=None):
     return subprocess.run(
         [sys.executable, "-m", "specprefill_engine.cli", *args],
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True, text=True, timeout=timeout, input=input,
     )
 
 
@@ -45,6 +47,8 @@ def test_ask_streams_the_answer_and_a_summary(tmp_path, demo_pair):
         (lambda p: ["ask", str(p / "doc.txt"), "-q", "why?", "--model", str(p / "nope")], "does not exist"),
         (lambda p: ["ask", str(p / "huge.txt"), "-q", "why?"], "longer than the model's context"),
         (lambda p: ["ask", str(p / "doc.txt"), "-q", "why?", "--keep", "2"], "--keep"),
+        (lambda p: ["ask", str(p), "-q", "why?"], "is a directory"),
+        (lambda p: ["demo", "--tokens", "-5"], "--tokens must be at least"),
     ],
 )
 def test_user_errors_print_one_line_and_exit_nonzero(tmp_path, make_args, message):
@@ -65,3 +69,37 @@ def test_bench_and_eval_run_quick_versions():
     evaluate = cli("eval", "--lengths", "512", "--cases", "1", "--keeps", "0.3")
     assert evaluate.returncode == 0, evaluate.stderr
     assert "specprefill@0.3" in evaluate.stdout and "random@0.3" in evaluate.stdout
+    assert re.search(r"^eval: (\d+)/\1 tokens \(", evaluate.stderr, re.M), evaluate.stderr
+
+
+def test_piped_progress_in_tokens_per_phase_and_the_cut_answer():
+    run = cli("demo", "--tokens", "2000", "--specprefill", "--compare", "--max-tokens", "2")
+    assert run.returncode == 0, run.stderr
+    err = run.stderr
+    prompt, kept = map(int, re.search(r"prompt (\d+) tokens, kept (\d+)/", err).groups())
+    assert re.search(rf"^scoring: {prompt}/{prompt} tokens \(", err, re.M), err  # the draft
+    assert re.search(rf"^prefill: {kept}/{kept} tokens \(", err, re.M), err  # the target's
+    assert re.search(rf"^dense prefill: {prompt}/{prompt} tokens \(", err, re.M), err
+    assert "\r" not in err  # plain lines when stderr is not a terminal
+    assert "stopped at --max-tokens 2; raise it" in err
+    assert len(run.stdout.strip()) == 2  # the cut answer: two digits
+
+
+def test_quiet_leaves_only_what_the_user_must_know(tmp_path):
+    assert parser().parse_args(["ask", "f.txt", "-q", "why?"]).max_tokens == 512
+    (tmp_path / "doc.txt").write_text("x = 1\n")
+    run = cli("ask", str(tmp_path / "doc.txt"), "-q", "What is x?", "--max-tokens", "1",
+              "--quiet")
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "stopped at --max-tokens 1; raise it for a longer answer"]
+
+
+def test_ask_reads_stdin_and_can_force_specprefill(demo_pair):
+    _, _, tokenizer = demo_pair
+    case = make_case(tokenizer, 5, "passkey", 600)  # below the threshold: the policy says dense
+    run = cli("ask", "-", "-q", case.question, "--specprefill", "--json", input=case.context)
+    assert run.returncode == 0, run.stderr
+    payload = json.loads(run.stdout)
+    assert payload["specprefill"]["engaged"] and payload["specprefill"]["reason"] == "requested"
+    assert payload["usage"]["prompt_tokens"] > 500  # the document came through stdin

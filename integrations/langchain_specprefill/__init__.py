@@ -1,5 +1,12 @@
 """LangChain chat model backed by a specprefill-engine Engine."""
 
-from .chat_model import ChatSpecPrefill
+from specprefill_engine import (
+    EngineFailedError, ModelLoadError, RequestFailedError, ToolsNotSupportedError,
+    UnsupportedModelError,
+)
 
-__all__ = ["ChatSpecPrefill"]
+from .chat_model import ChatSpecPrefill
+from .messages import UnsupportedContentError
+
+__all__ = ["ChatSpecPrefill", "EngineFailedError", "ModelLoadError", "RequestFailedError",
+           "ToolsNotSupportedError", "UnsupportedContentError", "UnsupportedModelError"]

@@ -26,14 +26,17 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from specprefill_engine import Engine
 
 from specprefill_engine.engine.chat import render_chat, tools_problem
+from specprefill_engine.engine.runtime import EngineConfig
+from specprefill_engine.engine.sampling import SamplingParams, check_keywords
 from specprefill_engine.engine.tool_calls import (
     OutputParser, ToolsNotSupportedError, check_tool_choice, tool_choice_format,
 )
+from specprefill_engine.loading import DTYPES, resolve_dtype
 
 from .messages import to_chat_messages
 from .parsers import (
@@ -48,8 +51,6 @@ CALL_KWARGS = set(REQUEST_FIELDS) | {
     "stop", "tools", "tool_choice", "parallel_tool_calls", "response_format",
     "chat_template_kwargs", "reasoning", "reasoning_budget", "timeout",
 }
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-
 _engines: dict = {}
 _engines_lock = threading.Lock()
 
@@ -59,13 +60,7 @@ def shared_engine(model: Optional[str], draft: Optional[str], dtype: Optional[st
     key = (model, draft, dtype)
     with _engines_lock:
         if key not in _engines:
-            if dtype in (None, "auto"):
-                engine_dtype = "auto" if dtype == "auto" else None
-            else:
-                import mlx.core as mx
-
-                engine_dtype = getattr(mx, dtype)
-            _engines[key] = Engine(model=model, draft=draft, dtype=engine_dtype)
+            _engines[key] = Engine(model=model, draft=draft, dtype=dtype)
         return _engines[key]
 
 
@@ -100,7 +95,8 @@ class ChatSpecPrefill(BaseChatModel):
     draft: Optional[str] = None
     """Draft model sharing the target's tokenizer (None with no model: bundled demo)."""
     dtype: Optional[Literal["auto", "float32", "bfloat16", "float16"]] = "auto"
-    """Weights dtype: "auto" (float32 on the CPU, stored dtype on a GPU), None (stored)."""
+    """Weights dtype: "auto" (float32 on the CPU, stored dtype on a GPU), None (stored),
+    or a name (an `mx` dtype is taken by its name)."""
     keep: float = 0.3
     """Fraction of prompt tokens SpecPrefill keeps (per request)."""
     threshold: int = 1024
@@ -128,11 +124,40 @@ class ChatSpecPrefill(BaseChatModel):
     reasoning_budget: Optional[int] = None
     """Most tokens a constrained reply may think before `</think>` is forced (None:
     half of max_tokens). Applies when the prompt opens a think block."""
+    streaming: bool = False
+    """LangChain's flag: True makes `invoke` stream, so callbacks see each token."""
     parallel_tool_calls: bool = False
     """Let a forced tool-call turn hold several calls (llama.cpp's default is off too:
     small models otherwise repeat a call until max_tokens)."""
 
     model_config = {"populate_by_name": True}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, values: Any) -> Any:
+        """An unknown (misspelled) setting fails here rather than being ignored."""
+        if isinstance(values, dict):
+            names = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            check_keywords("ChatSpecPrefill()", values, names)
+        return values
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_name(cls, value: Any) -> Any:
+        """An `mx` dtype is taken by its name (the engine's key stays a string)."""
+        resolved = resolve_dtype(value)  # a ValueError naming dtype
+        if value is None or isinstance(value, str):
+            return value
+        return next(name for name, dtype in DTYPES.items() if dtype == resolved)
+
+    @model_validator(mode="after")
+    def _engine_rules(self) -> "ChatSpecPrefill":
+        """The engine's own checks of the request settings, at construction rather than
+        at the first call."""
+        EngineConfig(keep=self.keep, threshold=self.threshold)
+        SamplingParams(**{name: getattr(self, name) for name in SAMPLING_FIELDS},
+                       stop=tuple(self.stop or ()))
+        return self
 
     @property
     def _llm_type(self) -> str:
@@ -224,10 +249,7 @@ class ChatSpecPrefill(BaseChatModel):
             raise ValueError(
                 f"ChatSpecPrefill does not take a per-call model= (got {kwargs['model']!r}): "
                 "one engine holds one model pair; make another ChatSpecPrefill(model=...)")
-        unknown = sorted(set(kwargs) - CALL_KWARGS)
-        if unknown:
-            raise TypeError(f"ChatSpecPrefill got unexpected keyword argument(s) {unknown}; "
-                            f"it takes {sorted(CALL_KWARGS)}")
+        check_keywords("a ChatSpecPrefill call", kwargs, CALL_KWARGS)
         chat = to_chat_messages(messages)
         options = {name: kwargs.get(name, getattr(self, name)) for name in REQUEST_FIELDS}
         stops = list(self.stop or []) + list(stop or []) + list(kwargs.get("stop") or [])
@@ -254,7 +276,8 @@ class ChatSpecPrefill(BaseChatModel):
                 response_format = {**response_format, "reasoning_budget": budget}
             options["response_format"] = response_format
         rendered = render_chat(tokenizer, chat, tools, self._template_kwargs(kwargs),
-                               engine.config.recent_message_cap)
+                               engine.config.recent_message_cap,
+                               system_cap=engine.config.system_message_cap)
         parser = OutputParser(tokenizer, parse_tools=choice != "none", tools=tools,
                               in_reasoning=rendered.think_open)
         return rendered, options, parser, kwargs.get("timeout", self.timeout)
@@ -276,6 +299,7 @@ class ChatSpecPrefill(BaseChatModel):
             "finish_reason": final.finish_reason,
             "specprefill": vars(final.specprefill).copy(),
             "timings": vars(final.timings).copy(),
+            "warnings": list(final.warnings),
         }
 
     @staticmethod

@@ -42,6 +42,7 @@ from .tool_calls import think_markers, tool_format
 logger = logging.getLogger(__name__)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_RECENT_CAP = 512  # tokens of the newest message kept (the engine's recent_message_cap)
+DEFAULT_SYSTEM_CAP = 512  # a longer system message keeps its ends (system_message_cap)
 STARTS_WINDOW = 4  # trailing messages whose starts are rendered by default
 
 _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> facts
@@ -254,10 +255,12 @@ def _think(tokenizer, text: str, generation: Optional[int], kwargs: dict) -> Opt
 def render_chat(tokenizer, messages: list, tools: Optional[list] = None,
                 chat_template_kwargs: Optional[dict] = None,
                 recent_cap: int = DEFAULT_RECENT_CAP,
-                window: Optional[int] = STARTS_WINDOW) -> Rendered:
+                window: Optional[int] = STARTS_WINDOW,
+                system_cap: int = DEFAULT_SYSTEM_CAP) -> Rendered:
     """Render `messages` (with `tools` and `chat_template_kwargs`) and the generation
     prompt once; see the module doc. `window`: how many trailing messages get their
-    start (None: all). Raises ValueError / TypeError for bad messages."""
+    start (None: all); `recent_cap`, `system_cap`: `segments.protect`'s. Raises
+    ValueError / TypeError for bad messages."""
     messages = check_messages(list(messages))
     if not messages:
         raise ValueError("messages is empty")
@@ -286,7 +289,7 @@ def render_chat(tokenizer, messages: list, tools: Optional[list] = None,
     if tools and chars[1] is not None and encoding is not None:
         tool_span = _tool_span(tokenizer, messages, kwargs, text[: chars[1]], offsets)
     protected = protect(ids, special_ids(tokenizer), [m["role"] for m in messages], bounds,
-                        tool_span, recent_cap)
+                        tool_span, recent_cap, system_cap)
     return Rendered(text, ids, bounds[:-1], bounds[-1], protected,
                     _think(tokenizer, text, chars[-1], kwargs))
 

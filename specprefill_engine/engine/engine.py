@@ -8,25 +8,26 @@ templating run off the event loop, in a thread of asyncio's pool.
 """
 
 import asyncio
+import inspect
 import itertools
 import logging
 import math
 import queue
 import threading
 import weakref
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import AsyncIterator, Callable, Iterator, Optional, Union
 
 import numpy as np
 
-from ..loading import DEMO_DRAFT, DEMO_TARGET, resolve_model_path
-from .chat import DEFAULT_RECENT_CAP, Rendered, check_text, render_chat
+from ..loading import DEMO_DRAFT, DEMO_TARGET, resolve_dtype, resolve_model_path
+from .chat import Rendered, check_text, render_chat
 from .delivery import Mailbox
 from .output import OutputProcessor
 from .results import Chunk, Progress, Result
 from .distributed import FollowerWorker, distributed_group
 from .runtime import EngineConfig, EngineInfo, load_runtime, load_target
-from .sampling import SamplingParams
+from .sampling import SamplingParams, check_keywords
 from .scheduler import Scheduler
 from .state import RequestState
 
@@ -36,11 +37,17 @@ _ids = itertools.count()
 
 
 def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: Optional[list] = None,
-                    chat_template_kwargs: Optional[dict] = None,
-                    recent_cap: int = DEFAULT_RECENT_CAP) -> tuple:
+                    chat_template_kwargs: Optional[dict] = None, chat: bool = False,
+                    **caps) -> tuple:
     """A string, chat messages ({"role", "content"} dicts), a `Rendered` chat, or token
-    ids -> (ids, the Rendered chat or None). A chat's template is rendered once."""
+    ids -> (ids, the Rendered chat or None). A chat's template is rendered once (with
+    `caps`: render_chat's recent_cap and system_cap). A string is raw text, as mlx-lm
+    takes it; with `chat` it is one user message, sent through the chat template."""
     rendered = None
+    if chat and isinstance(prompt, str) and prompt:
+        prompt = [{"role": "user", "content": prompt}]
+    elif chat and isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], dict):
+        raise ValueError("chat=True applies to a string prompt; token ids are sent as they are")
     if isinstance(prompt, Rendered):
         if tools is not None or chat_template_kwargs is not None:
             raise ValueError("a Rendered prompt holds its tools and chat_template_kwargs; "
@@ -51,7 +58,7 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: Optional[
             raise ValueError("prompt is empty")
         ids = tokenizer.encode(check_text(prompt, "prompt"))
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        rendered = render_chat(tokenizer, list(prompt), tools, chat_template_kwargs, recent_cap)
+        rendered = render_chat(tokenizer, list(prompt), tools, chat_template_kwargs, **caps)
     elif isinstance(prompt, (list, tuple)) and prompt and all(
         isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
     ):
@@ -72,7 +79,8 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: Optional[
     return np.asarray(ids, dtype=np.int32), rendered
 
 
-def _check_options(specprefill, keep, threshold, tools, on_progress, chat_template_kwargs):
+def _check_options(specprefill, keep, threshold, tools, on_progress, chat_template_kwargs,
+                   chat):
     if specprefill not in (None, True, False):
         raise TypeError(f"specprefill must be None, True or False, got {specprefill!r}")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, (int, float))
@@ -88,6 +96,8 @@ def _check_options(specprefill, keep, threshold, tools, on_progress, chat_templa
         raise TypeError("on_progress must be callable")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
         raise TypeError("chat_template_kwargs must be a dict")
+    if not isinstance(chat, bool):
+        raise TypeError(f"chat must be True or False, got {chat!r}")
 
 
 def _stop_worker(scheduler: Scheduler, timeout: float) -> None:
@@ -104,8 +114,14 @@ class Engine:
     `model` and `draft` are local paths or Hugging Face ids; with neither given,
     the bundled demo pair is used. With a `model` but no `draft`, requests prefill
     densely. Models load on the worker when the engine starts (`async with`,
-    `await engine.start()`, or the first request). Settings are `EngineConfig`
-    fields (e.g. `max_batch_size`, `kv_cache_bytes`, `step_size`).
+    `await engine.start()`, or the first request). `dtype`: "auto" (float32 on a
+    CPU, the stored dtype on a GPU), None (stored), "float32", "bfloat16", "float16"
+    or the `mx` dtype. Settings are `EngineConfig` fields (e.g. `max_batch_size`,
+    `kv_cache_bytes`, `step_size`, `system_message_cap`).
+
+    A string prompt is raw text, sent without the chat template (mlx-lm's
+    convention: a completion prompt); pass `chat=True` to a request to send it as one
+    user message through the template, or pass chat messages.
     """
 
     def __init__(
@@ -118,7 +134,9 @@ class Engine:
         dtype="auto",
         **config,
     ):
+        check_keywords("Engine()", config, CONFIG_KEYWORDS)
         self.config = EngineConfig(keep=keep, threshold=threshold, **config)
+        dtype = resolve_dtype(dtype)
         self.model_path = resolve_model_path(model, DEMO_TARGET)
         use_draft = draft is not None or model is None
         self.draft_path = resolve_model_path(draft, DEMO_DRAFT) if use_draft else None
@@ -234,11 +252,16 @@ class Engine:
     def _prepare(self, prompt: Prompt, emit: Callable, stream: bool, *, specprefill=None,
                  keep=None, threshold=None, tools=None, request_id=None, on_progress=None,
                  response_format=None, chat_template_kwargs=None, logits_processors=None,
-                 cache_prompt=True, clamp_max_tokens=True, **sampling) -> RequestState:
+                 cache_prompt=True, clamp_max_tokens=True, chat=False,
+                 **sampling) -> RequestState:
         """Validate and tokenize on the caller's side; the worker gets a ready state."""
         info = self.info
         params = SamplingParams(**sampling)
-        _check_options(specprefill, keep, threshold, tools, on_progress, chat_template_kwargs)
+        if params.top_k >= info.vocab_size:  # mlx-lm's top-k filter needs fewer
+            raise ValueError(f"top_k must be below the vocabulary size ({info.vocab_size}; 0 "
+                             f"turns it off), got {params.top_k}")
+        _check_options(specprefill, keep, threshold, tools, on_progress, chat_template_kwargs,
+                       chat)
         if request_id is not None and not (isinstance(request_id, str) and request_id):
             raise TypeError("request_id must be a non-empty string")
         logits_processors = list(logits_processors or [])
@@ -253,8 +276,10 @@ class Engine:
             from .constrained import check_response_format
 
             response_format = check_response_format(response_format)
-        tokens, rendered = tokenize_prompt(prompt, info.tokenizer, info.vocab_size, tools,
-                                           chat_template_kwargs, self.config.recent_message_cap)
+        tokens, rendered = tokenize_prompt(
+            prompt, info.tokenizer, info.vocab_size, tools, chat_template_kwargs, chat,
+            recent_cap=self.config.recent_message_cap,
+            system_cap=self.config.system_message_cap)
         max_tokens, warnings = params.max_tokens, []
         if info.context_length:
             room = info.context_length - tokens.size
@@ -334,17 +359,21 @@ class Engine:
     async def generate(self, prompt: Prompt, **kwargs) -> Result:
         """Run a request to the end. Cancelling the awaiting task aborts it.
 
-        `prompt`: a string, chat messages, a chat rendered by `chat.render_chat`, or
-        token ids. Keyword arguments: the SamplingParams fields (max_tokens, temperature,
-        top_p, top_k, min_p, repetition_penalty, seed, stop, stop_token_ids), `specprefill`
+        `prompt`: a string (raw text, no chat template), chat messages, a chat rendered
+        by `chat.render_chat`, or token ids. Keyword arguments: `chat` (True: a string
+        prompt is one user message, sent through the chat template), the SamplingParams
+        fields (max_tokens, temperature, top_p, top_k (below the vocabulary size),
+        min_p, repetition_penalty, seed, stop, stop_token_ids), `specprefill`
         (None: engine policy), `keep`, `threshold`, `tools` and `chat_template_kwargs`
         (passed to the chat template), `response_format` (constrained decoding, see
         `constrained.py`), `logits_processors` (callables `(generated, logits) -> logits`,
         mlx-lm's convention, for this request only), `cache_prompt` (False: neither
         read nor fill the prefix cache), `clamp_max_tokens` (False: a max_tokens past
         the context raises ValueError instead of being clamped, as HTTP APIs answer),
-        `request_id`, and `on_progress(Progress)`.
+        `request_id`, and `on_progress(Progress)`. An unknown keyword is a TypeError
+        that names the nearest valid one.
         """
+        check_keywords("Engine.generate()", kwargs, REQUEST_KEYWORDS)
         events = self._events(prompt, False, kwargs)
         try:
             async for event in events:
@@ -358,7 +387,9 @@ class Engine:
         """Yield text chunks; the last carries finish_reason, usage and timings.
 
         Leaving the loop early (break, aclose, cancellation, timeout) aborts the request.
+        Takes `generate`'s arguments.
         """
+        check_keywords("Engine.stream()", kwargs, REQUEST_KEYWORDS)
         events = self._events(prompt, True, kwargs)
         try:
             async for event in events:
@@ -385,12 +416,16 @@ class Engine:
             state.cancelled.set()
 
     def generate_sync(self, prompt: Prompt, **kwargs) -> Result:
+        """`generate` from synchronous code (blocks this thread)."""
+        check_keywords("Engine.generate_sync()", kwargs, REQUEST_KEYWORDS)
         for event in self._sync_events(prompt, False, kwargs):
             if isinstance(event, Result):
                 return event
         raise RuntimeError("request ended without a result")
 
     def stream_sync(self, prompt: Prompt, **kwargs) -> Iterator[Chunk]:
+        """`stream` from synchronous code: iterate it; leaving early aborts the request."""
+        check_keywords("Engine.stream_sync()", kwargs, REQUEST_KEYWORDS)
         events = self._sync_events(prompt, True, kwargs)
         try:
             for event in events:
@@ -398,3 +433,10 @@ class Engine:
                     yield event
         finally:
             events.close()
+
+
+# the keywords a request takes (`Engine._prepare`'s and the sampling fields), and Engine()
+REQUEST_KEYWORDS = frozenset(
+    [name for name, p in inspect.signature(Engine._prepare).parameters.items()
+     if p.kind is inspect.Parameter.KEYWORD_ONLY] + [f.name for f in fields(SamplingParams)])
+CONFIG_KEYWORDS = frozenset(["model", "draft", "dtype"] + [f.name for f in fields(EngineConfig)])

@@ -65,6 +65,7 @@ class OutputProcessor:
         tail = self.flush()
         usage.completion_tokens = len(self.tokens)
         if self.stream:
-            self.emit(Chunk(tail, [], reason, usage, timings, report, self.request_id))
+            self.emit(Chunk(tail, [], reason, usage, timings, report, self.request_id,
+                            list(warnings)))
         self.emit(Result("".join(self.parts), list(self.tokens), reason, usage, timings, report,
                          self.request_id, list(warnings)))

@@ -52,7 +52,8 @@ class Progress:
 
 @dataclass
 class Chunk:
-    """One piece of a stream. Usage, timings and the report come on the last only."""
+    """One piece of a stream. Usage, timings, the report and the warnings come on the
+    last only."""
 
     text: str
     token_ids: list
@@ -61,6 +62,8 @@ class Chunk:
     timings: Optional[Timings] = None
     specprefill: Optional[SpecPrefillReport] = None
     request_id: str = ""
+    warnings: list = field(default_factory=list)
+    """As `Result.warnings`, on the last chunk."""
 
 
 @dataclass

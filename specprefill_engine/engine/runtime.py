@@ -13,6 +13,7 @@ from ..core import DraftScorer, Scorer
 from ..core.scoring import default_draft_step_size
 from ..loading import ModelLoadError, check_same_tokenizer, load_model
 from .batch import batching_support
+from .chat import DEFAULT_RECENT_CAP, DEFAULT_SYSTEM_CAP
 from .distributed import Channel, agree
 from .plan import TurnPlan
 from .prefix_cache import checkpointed
@@ -52,7 +53,8 @@ class EngineConfig:
     draft_prefix_cache_bytes: int = 1 << 30
     reuse_coverage: float = 0.9
     specprefill_margin: float = 0.1
-    recent_message_cap: int = 512
+    recent_message_cap: int = DEFAULT_RECENT_CAP  # tokens of the newest message kept
+    system_message_cap: int = DEFAULT_SYSTEM_CAP  # a longer system message: its ends kept
     rank_timeout: float = 60.0  # seconds a turn may take before rank 0 declares a rank lost
     densify: str = "idle"  # "idle": compute a SpecPrefill turn's dense KV while idle; "off"
 
@@ -68,6 +70,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        cap = self.system_message_cap
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise ValueError(f"system_message_cap must be an integer >= 0, got {cap!r}")
         if self.densify not in ("idle", "off"):
             raise ValueError(f"densify must be 'idle' or 'off', got {self.densify!r}")
         if not (isinstance(self.rank_timeout, (int, float)) and self.rank_timeout > 0):

@@ -1,9 +1,10 @@
 """Sampling parameters (validated where the caller is), per-request samplers and
 logits processors, built on mlx-lm's sampling filters."""
 
+import difflib
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -22,6 +23,17 @@ def _number(name: str, value, low: float, high: float, *, low_open=False, high_o
         bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
         raise ValueError(f"{name} must be in {bounds}, got {value!r}")
     return value
+
+
+def check_keywords(method: str, given: Iterable[str], allowed: Iterable[str]) -> None:
+    """Python's TypeError for an unexpected keyword, naming what the caller called
+    (`method`, e.g. "Engine.generate()") and the nearest valid name."""
+    allowed = sorted(allowed)
+    for name in given:
+        if name not in allowed:
+            close = difflib.get_close_matches(name, allowed, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"valid: {', '.join(allowed)}"
+            raise TypeError(f"{method} got an unexpected keyword argument {name!r}; {hint}")
 
 
 def _integer(name: str, value, low: int):
