@@ -39,6 +39,8 @@ from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_agent_session
 from specprefill_engine.loading import DEMO_TARGET, load_model
 
+from random_models import add_pair_arguments, random_pair
+
 NEW_TOKENS = 12
 METHODS = {
     "mlx-lm + prompt cache": None,
@@ -163,9 +165,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", help="target model path (default: the demo target)")
     parser.add_argument("--draft", help="draft model path (default: the demo draft)")
-    parser.add_argument("--target-shape", help="random-weight shape for the target (GPU "
-                        "timing; answers are meaningless): e.g. qwen3-8b, qwen3-next-8b")
-    parser.add_argument("--draft-shape", default="qwen3-0.6b")
+    add_pair_arguments(parser)
     parser.add_argument("--tokens", type=int, default=6000)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--sessions", type=int, default=2)
@@ -182,10 +182,7 @@ def main():
     if args.step_size is None:
         args.step_size = 256 if mx.default_device() == mx.cpu else 2048
     if args.target_shape:
-        from random_models import random_model_dir
-
-        args.target = random_model_dir(args.target_shape)
-        args.draft = random_model_dir(args.draft_shape, seed=1)
+        args.target, args.draft = random_pair(args)
     rows = run(args)
     result = summary(rows, args.steps, args.methods)
     print(json.dumps(result, indent=2))

@@ -30,6 +30,8 @@ from specprefill_engine.core import sparse_prefill
 from specprefill_engine.core.scoring import run_steps
 from specprefill_engine.loading import DEMO_DRAFT, load_model
 
+from random_models import add_pair_arguments, random_pair
+
 
 def prompt(length: int, seed: int) -> list:
     return np.random.default_rng(seed).integers(10, 4000, length).tolist()
@@ -71,18 +73,12 @@ def bare(target, draft, ids: list, step: int, draft_step: int, keep: float) -> d
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target-shape", help="random-weight Qwen3 shape (GPU timing)")
-    parser.add_argument("--draft-shape", default="qwen3-0.6b")
+    add_pair_arguments(parser)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096])
     parser.add_argument("--keep", type=float, default=0.3)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    target_path = draft_path = None
-    if args.target_shape:
-        from random_models import random_model_dir
-
-        target_path = random_model_dir(args.target_shape)
-        draft_path = random_model_dir(args.draft_shape, seed=1)
+    target_path, draft_path = random_pair(args)
     rows = []
     started = time.perf_counter()
     with Engine(model=target_path, draft=draft_path, keep=args.keep, prefix_cache_bytes=0,

@@ -14,6 +14,8 @@ import numpy as np
 
 from specprefill_engine import Engine
 
+from random_models import add_pair_arguments, random_pair
+
 
 def ttft(engine, ids, **options) -> tuple:
     result = engine.generate_sync(ids, max_tokens=2, cache_prompt=False, **options)
@@ -22,18 +24,12 @@ def ttft(engine, ids, **options) -> tuple:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target-shape", help="random-weight Qwen3 shape (GPU timing)")
-    parser.add_argument("--draft-shape", default="qwen3-0.6b")
+    add_pair_arguments(parser)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.3])
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    target = draft = None
-    if args.target_shape:
-        from random_models import random_model_dir
-
-        target = random_model_dir(args.target_shape)
-        draft = random_model_dir(args.draft_shape, seed=1)
+    target, draft = random_pair(args)
     rows = []
     with Engine(model=target, draft=draft, threshold=1, prefix_cache_bytes=0,
                 draft_prefix_cache_bytes=0) as engine:

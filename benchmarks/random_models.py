@@ -2,9 +2,11 @@
 tokenizer, for timing benchmarks on a GPU (no hub downloads there). The vocabulary is the demo
 tokenizer's 4096 so every method, ours and mlx-lm's, decodes the same model."""
 
+import argparse
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
 import mlx.core as mx
@@ -49,3 +51,17 @@ def random_model_dir(shape: str, seed: int = 0) -> str:
         shutil.copy(DEMO_TARGET / name, path / name)
     save_config(config, path / "config.json")
     return str(path)
+
+
+def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    """--target-shape / --draft-shape: a random-weight pair instead of the demo pair."""
+    parser.add_argument("--target-shape", help="random-weight shape for the target (GPU "
+                        "timing; answers are meaningless): e.g. qwen3-8b, qwen3-next-8b")
+    parser.add_argument("--draft-shape", default="qwen3-0.6b")
+
+
+def random_pair(args: argparse.Namespace) -> tuple[Optional[str], Optional[str]]:
+    """(target, draft) folders for --target-shape, or (None, None): the demo pair."""
+    if not args.target_shape:
+        return None, None
+    return random_model_dir(args.target_shape), random_model_dir(args.draft_shape, seed=1)

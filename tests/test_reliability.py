@@ -5,7 +5,6 @@ No wall-clock assertions: a `wait_for` bound only turns a hang into a failure.
 """
 
 import asyncio
-import gc
 import math
 import os
 import subprocess
