@@ -76,6 +76,9 @@ def _check_ranks_ended(out: Path) -> None:
 def test_two_ranks_greedy_outputs_equal_one_process(tmp_path):
     alone, shared, out = _run_both(tmp_path, "outputs")
     assert (alone.pop("ranks"), shared.pop("ranks")) == (1, 2)
+    for rows in (alone["batched"], shared["batched"]):
+        for row in rows:  # whether one finds the other's template head stored: timing
+            row.pop("cached")
     assert shared == alone  # tokens, kept counts, prefix-cache reuse, batched rows
     assert shared["a-sparse"]["engaged"] and shared["a-sparse"]["kept"] < shared["a-dense"]["kept"]
     assert shared["again"]["cached"] > 0

@@ -5,8 +5,10 @@ No wall-clock assertions: a `wait_for` bound only turns a hang into a failure.
 """
 
 import asyncio
+import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,6 +25,7 @@ from specprefill_engine.core import sparse_prefill
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.engine import EngineFailedError, RequestFailedError
 from specprefill_engine.engine.prefix_cache import PrefixCache
+from specprefill_engine.loading import DEMO_TARGET
 
 pytestmark = pytest.mark.timeout(300)
 HANG = 120  # seconds after which a wait counts as a hang
@@ -333,10 +336,15 @@ def test_sparse_prefill_returns_logits_of_shape_1_1_vocab(demo_pair):
 
 # 13 --------------------------------------------------------------------------------
 
-async def test_prompt_plus_max_tokens_beyond_the_context_is_clamped_and_said(engine):
-    context = engine.info.context_length
-    ids = [5 + i % 3000 for i in range(context - 3)]
-    result = await engine.generate(ids, max_tokens=50, specprefill=False)
+async def test_prompt_plus_max_tokens_beyond_the_context_is_clamped_and_said(tmp_path):
+    short = tmp_path / "short-context"  # the demo target with a 1024-token context
+    shutil.copytree(DEMO_TARGET, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    async with Engine(model=str(short), densify="off") as engine:
+        assert engine.info.context_length == 1024
+        ids = [5 + i % 3000 for i in range(1024 - 3)]
+        result = await engine.generate(ids, max_tokens=50, specprefill=False)
     assert result.usage.completion_tokens <= 3
     assert result.warnings and "max_tokens clamped from 50 to 3" in result.warnings[0]
 
