@@ -28,6 +28,15 @@ HYBRID_SHAPES = {
                           decoder_sparse_step=1, shared_expert_intermediate_size=0,
                           mlp_only_layers=[], moe_intermediate_size=0,
                           partial_rotary_factor=0.25, full_attention_interval=4),
+    # the same layout at CPU scale, next to gpu_ttft's "qwen3-small" plain shape
+    "qwen3-next-small": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
+                             num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                             linear_num_value_heads=8, linear_num_key_heads=4,
+                             linear_key_head_dim=64, linear_value_head_dim=64,
+                             linear_conv_kernel_dim=4, num_experts=0, num_experts_per_tok=1,
+                             decoder_sparse_step=1, shared_expert_intermediate_size=0,
+                             mlp_only_layers=[], moe_intermediate_size=0,
+                             partial_rotary_factor=0.25, full_attention_interval=4),
 }
 
 
@@ -38,7 +47,7 @@ def random_model_dir(shape: str, seed: int = 0) -> str:
     if shape in HYBRID_SHAPES:
         module, config = qwen3_next, dict(model_type="qwen3_next", **common, **HYBRID_SHAPES[shape])
     else:
-        module, config = qwen3, dict(model_type="qwen3", head_dim=128, **common, **SHAPES[shape])
+        module, config = qwen3, {"model_type": "qwen3", "head_dim": 128, **common, **SHAPES[shape]}
     path = Path(tempfile.gettempdir()) / "specprefill-random" / f"{shape}-{seed}"
     if (path / "config.json").exists():  # made by an earlier run on this machine
         return str(path)
