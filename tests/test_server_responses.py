@@ -5,13 +5,14 @@ against the engine's own greedy output, and every JSON against the client's own 
 
 import json
 
-import httpx
 import openai
 import pytest
 from pydantic import BaseModel, TypeAdapter
 
 from openai.types.responses import Response, ResponseStreamEvent
-from test_server import ASK, KEY, WEATHER, case, served  # noqa: F401  (the fixture)
+from test_server import (  # noqa: F401  (served: the fixture)
+    ASK, WEATHER, _events_before_first_token, case, served,
+)
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather.",
           "parameters": WEATHER, "strict": True},
@@ -170,14 +171,11 @@ def test_errors_are_the_clients_own_exceptions(served):
 
 def test_a_long_prefill_gets_keepalives_and_a_failure_ends_the_stream(served):
     messages, _ = case(served, 24, 1200)
-    body = {"model": "m", "input": messages, "max_output_tokens": 2, "stream": True,
-            "specprefill": False}
-    with httpx.stream("POST", served.base + "/v1/responses", json=body, timeout=120,
-                      headers={"x-api-key": KEY}) as response:
-        assert response.status_code == 200
-        lines = [line for line in response.iter_lines() if line]
-    first = lines.index("event: response.output_text.delta")
-    assert lines[0] == "event: response.created" and ": keep-alive" in lines[:first]
+    before, lines = _events_before_first_token(served, "/v1/responses", {
+        "model": "m", "input": messages, "max_output_tokens": 2, "stream": True,
+        "specprefill": False})
+    assert before[0] == "event: response.created" and ": keep-alive" in before
+    assert lines[-2] in ("event: response.completed", "event: response.incomplete")
     # the engine stops a request mid-stream: an error event, then response.failed
     client = served.openai()
     stream = client.responses.create(model="m", input=ASK, max_output_tokens=2000, stream=True,
