@@ -67,6 +67,13 @@ def test_text_is_the_engines_streamed_or_not_with_usage_and_instructions(served)
     assert last.response.usage.output_tokens == len(direct.token_ids)
     with client.responses.stream(model="m", input=messages, max_output_tokens=8) as stream:
         assert stream.get_final_response().output_text == direct.text  # the SDK's own assembly
+    # the next turn, the reply's own items in its input: the chat the engine would see
+    again = [{"role": "user", "content": "Say it again."}]
+    turn = messages + [{"role": "assistant", "content": direct.text}] + again
+    second = created(client, input=messages + [item.model_dump(exclude_none=True)
+                                               for item in reply.output] + again,
+                     max_output_tokens=4)
+    assert second.output_text == served.engine.generate_sync(turn, max_tokens=4).text
     system = [{"role": "system", "content": "Answer in one word."}] + ASK
     instructed = created(client, instructions=system[0]["content"], input=ASK[0]["content"],
                          max_output_tokens=8)
@@ -147,6 +154,8 @@ def test_errors_are_the_clients_own_exceptions(served):
                "background": {"background": True},
                "include": {"include": ["message.output_text.logprobs"]},
                "temperature": {"temperature": 5},
+               "reasoning": {"reasoning": {"effort": 5}},
+               "text": {"text": {"format": {"type": "grammar"}}},
                "n": {"extra_body": {"n": 2}},
                "input": {"input": [{"type": "item_reference", "id": "msg_1"}]},
                "tool_choice": {"tool_choice": {"type": "web_search_preview"}, "tools": TOOLS}}

@@ -79,6 +79,16 @@ class Reasoning(Loose):
     content: Optional[list[dict]] = None
 
 
+class TextConfig(Loose):
+    format: Optional[dict] = None
+    verbosity: Optional[str] = None  # accepted; the model has no such control
+
+
+class ReasoningConfig(Loose):
+    effort: Optional[str] = None  # "none" / "minimal": thinking off, others on
+    summary: Optional[str] = None  # accepted; no summaries are written
+
+
 ITEMS = {"message": InputMessage, "function_call": FunctionCall,
          "function_call_output": FunctionCallOutput, "reasoning": Reasoning}
 
@@ -96,8 +106,8 @@ class ResponsesRequest(Extensions):
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     stream: bool = False
-    text: Optional[dict] = None
-    reasoning: Optional[dict] = None
+    text: Optional[TextConfig] = None
+    reasoning: Optional[ReasoningConfig] = None
     include: Optional[list[str]] = None
     top_k: Optional[int] = None  # extensions, as in chat completions
     seed: Optional[int] = None
@@ -242,12 +252,12 @@ def _tool_choice(choice):
 def chat_request(body: ResponsesRequest) -> ChatRequest:
     """The chat completions request this one runs as."""
     _refuse_unserved(body)
-    format_ = response_format((body.text or {}).get("format"), "text.format")
+    format_ = response_format(body.text and body.text.format, "text.format")
     return ChatRequest(
         model=body.model, messages=chat_messages(body), tools=_tools(body.tools),
         tool_choice=_tool_choice(body.tool_choice), response_format=format_,
         max_completion_tokens=body.max_output_tokens,
-        reasoning_effort=(body.reasoning or {}).get("effort"),
+        reasoning_effort=body.reasoning and body.reasoning.effort,
         **body.model_dump(include=CHAT_FIELDS))
 
 
@@ -338,14 +348,16 @@ class Items:
 
 def skeleton(state, body: ResponsesRequest, response_id: str) -> dict:
     """The response before any output: the request's settings echoed."""
+    text = body.text.model_dump(exclude_none=True) if body.text else {}
     return {
         "id": response_id, "object": "response", "created_at": int(time.time()),
         "status": "in_progress", "model": state.model_name, "output": [], "error": None,
         "incomplete_details": None, "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
         "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
-        "reasoning": body.reasoning, "temperature": body.temperature, "top_p": body.top_p,
-        "text": body.text or {"format": {"type": "text"}},
+        "reasoning": body.reasoning and body.reasoning.model_dump(exclude_none=True),
+        "temperature": body.temperature, "top_p": body.top_p,
+        "text": {"format": {"type": "text"}, **text},
         "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
         "truncation": body.truncation or "disabled", "metadata": body.metadata or {},
         "user": body.user, "usage": None}
