@@ -178,13 +178,20 @@ def test_errors_are_the_clients_own_exceptions(served):
     assert created(client, input=ASK, max_output_tokens=2, store=True).output  # nothing stored
 
 
-def test_a_long_prefill_gets_keepalives_and_a_failure_ends_the_stream(served):
+def test_keepalives_a_client_that_leaves_and_a_failure_mid_stream(served):
     messages, _ = case(served, 24, 1200)
     before, lines = _events_before_first_token(served, "/v1/responses", {
         "model": "m", "input": messages, "max_output_tokens": 2, "stream": True,
         "specprefill": False})
     assert before[0] == "event: response.created" and ": keep-alive" in before
     assert lines[-2] in ("event: response.completed", "event: response.incomplete")
+    # a client that leaves mid-stream aborts its request
+    with served.openai().responses.create(model="m", input=ASK, max_output_tokens=2000,
+                                          stream=True, extra_body={"ignore_eos": True}) as left:
+        for event in left:
+            if event.type == "response.output_text.delta":
+                break
+    assert served.settled(), served.engine.active_request_ids
     # the engine stops a request mid-stream: an error event, then response.failed
     client = served.openai()
     stream = client.responses.create(model="m", input=ASK, max_output_tokens=2000, stream=True,
