@@ -391,7 +391,7 @@ def _events_before_first_token(served, path: str, body: dict) -> tuple:
         assert response.status_code == 200
         lines = [line for line in response.iter_lines() if line]
     first = next(i for i, line in enumerate(lines)
-                 if re.search(r'"content":"[^"]', line) or "text_delta" in line)
+                 if re.search(r'"content":"[^"]|text[_.]delta', line))
     return lines[:first], lines
 
 

@@ -21,14 +21,15 @@ from starlette.responses import JSONResponse, Response
 
 from specprefill_engine import Engine
 
-from . import anthropic_api, openai_api
+from . import anthropic_api, openai_api, responses_api
 from .errors import APIError, classify, error_body
 from .streaming import ClientGone, Gate
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # served without a key: says only whether the engine is up
 PARAMS = set(openai_api.ChatRequest.model_fields) | set(openai_api.CompletionRequest.model_fields) \
-    | set(anthropic_api.MessagesRequest.model_fields)
+    | set(anthropic_api.MessagesRequest.model_fields) \
+    | set(responses_api.ResponsesRequest.model_fields)
 
 
 @dataclass(frozen=True)
@@ -221,4 +222,5 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None) -> FastAPI
 
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(responses_api.router)
     return app

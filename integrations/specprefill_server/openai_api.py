@@ -223,12 +223,13 @@ def chat_messages(messages: list, developer_role: bool) -> list:
     return chat
 
 
-def _response_format(format_: Optional[dict]) -> Optional[dict]:
+def response_format(format_: Optional[dict], name: str = "response_format") -> Optional[dict]:
+    """The engine's response_format for an OpenAI format (`name`: the field it came in)."""
     if format_ is None or format_.get("type") == "text":
         return None
     if format_.get("type") not in ("json_object", "json_schema"):
-        raise APIError(400, "response_format type must be 'text', 'json_object' or "
-                       f"'json_schema', got {format_.get('type')!r}", "response_format")
+        raise APIError(400, f"{name} type must be 'text', 'json_object' or 'json_schema', "
+                       f"got {format_.get('type')!r}", name.split(".")[0])
     return format_
 
 
@@ -248,7 +249,7 @@ async def chat_call(state, body: ChatRequest) -> Call:
     return await prepare(
         state.engine, chat, options, tools=tools, choice=body.tool_choice,
         parallel=body.parallel_tool_calls,
-        response_format=_response_format(body.response_format),
+        response_format=response_format(body.response_format),
         template_kwargs=_template_kwargs(body))
 
 
