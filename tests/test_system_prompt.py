@@ -10,6 +10,7 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import tool
 
 from langchain_specprefill import ChatSpecPrefill
+from specprefill_engine import Engine
 from specprefill_engine.core import select_chunks
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.engine.chat import render_chat
@@ -82,3 +83,18 @@ def test_an_agent_with_a_document_in_its_system_prompt_uses_specprefill(demo_pai
     report = reply.response_metadata["specprefill"]
     assert report["engaged"], report["reason"]
     assert report["kept_tokens"] < 0.6 * report["total_tokens"]
+
+
+def test_the_server_renders_with_the_engines_system_cap():
+    from specprefill_server.chat import build_call
+
+    with Engine(system_message_cap=64, densify="off") as engine:
+        case = make_case(engine.tokenizer, 0, "registry", 1500)
+        messages = [{"role": "system", "content": case.context},
+                    {"role": "user", "content": case.question}]
+        call = build_call(engine, messages, {})
+        engine_render = engine.render(messages)
+    default = render_chat(engine.tokenizer, messages)  # the default cap, 512
+    assert np.array_equal(call.prompt.protected, engine_render.protected)
+    start = engine_render.message_starts[1]
+    assert engine_render.protected[:start].sum() <= 64 + 2 < default.protected[:start].sum()

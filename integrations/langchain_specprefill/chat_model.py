@@ -30,7 +30,7 @@ from pydantic import Field, field_validator, model_validator
 
 from specprefill_engine import Engine
 
-from specprefill_engine.engine.chat import render_chat, tools_problem
+from specprefill_engine.engine.chat import tools_problem
 from specprefill_engine.engine.runtime import EngineConfig
 from specprefill_engine.engine.sampling import SamplingParams, check_keywords
 from specprefill_engine.engine.tool_calls import (
@@ -225,8 +225,8 @@ class ChatSpecPrefill(BaseChatModel):
         """Prompt tokens of these messages as a request sends them (chat template,
         tools and generation prompt included)."""
         formatted = [convert_to_openai_tool(t) for t in tools] if tools else None
-        rendered = render_chat(self.tokenizer, to_chat_messages(messages), formatted,
-                               self._template_kwargs({}))
+        rendered = self.engine.render(to_chat_messages(messages), formatted,
+                                      self._template_kwargs({}))
         return int(rendered.tokens.size)
 
     # request building -------------------------------------------------------------
@@ -275,9 +275,7 @@ class ChatSpecPrefill(BaseChatModel):
             if budget is not None:
                 response_format = {**response_format, "reasoning_budget": budget}
             options["response_format"] = response_format
-        rendered = render_chat(tokenizer, chat, tools, self._template_kwargs(kwargs),
-                               engine.config.recent_message_cap,
-                               system_cap=engine.config.system_message_cap)
+        rendered = engine.render(chat, tools, self._template_kwargs(kwargs))
         parser = OutputParser(tokenizer, parse_tools=choice != "none", tools=tools,
                               in_reasoning=rendered.think_open)
         return rendered, options, parser, kwargs.get("timeout", self.timeout)

@@ -23,8 +23,6 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse
 
-from specprefill_engine.engine.chat import render_chat
-
 from .chat import Call, Extensions, Loose, matched_stop, prepare, report
 from .errors import APIError, anthropic_body
 from .streaming import EventStream, output_events, whole_result
@@ -359,7 +357,6 @@ async def count_tokens(body: Prompt, request: Request):
     """The prompt's tokens as a request renders it (template, tools, thinking)."""
     _check(body)
     engine = request.app.state.server.engine
-    rendered = await asyncio.to_thread(render_chat, engine.tokenizer, chat_messages(body),
-                                       _tools(body), _template_kwargs(body),
-                                       engine.config.recent_message_cap)
+    rendered = await asyncio.to_thread(engine.render, chat_messages(body), _tools(body),
+                                       _template_kwargs(body))
     return {"input_tokens": int(rendered.tokens.size)}

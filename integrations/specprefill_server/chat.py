@@ -19,7 +19,7 @@ from typing import Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
-from specprefill_engine.engine.chat import Rendered, render_chat, tools_problem
+from specprefill_engine.engine.chat import Rendered, tools_problem
 from specprefill_engine.engine.tool_calls import (
     OutputParser, check_tool_choice, tool_choice_format,
 )
@@ -107,11 +107,12 @@ def read_events(events: list) -> Output:
     return output
 
 
-def build_call(tokenizer, chat: list, options: dict, *, tools: Optional[list] = None,
+def build_call(engine, chat: list, options: dict, *, tools: Optional[list] = None,
                choice="auto", parallel: bool = True, response_format: Optional[dict] = None,
-               template_kwargs: Optional[dict] = None, recent_cap: int) -> Call:
+               template_kwargs: Optional[dict] = None) -> Call:
     """An engine call for chat messages (OpenAI-style dicts), with tools already in
     OpenAI's function form and `choice` as `check_tool_choice` takes it."""
+    tokenizer = engine.tokenizer
     options = dict(options)
     parse_tools = False
     if tools:
@@ -126,14 +127,13 @@ def build_call(tokenizer, chat: list, options: dict, *, tools: Optional[list] = 
         raise APIError(400, f"tool_choice is {choice!r} but no tools are given", "tool_choice")
     if response_format is not None:
         options["response_format"] = response_format
-    rendered = render_chat(tokenizer, chat, tools, template_kwargs, recent_cap)
+    rendered = engine.render(chat, tools, template_kwargs)
     return Call(rendered, options, tools, parse_tools, tuple(options.get("stop") or ()))
 
 
 async def prepare(engine, chat: list, options: dict, **how) -> Call:
     """`build_call` in a thread (it renders and tokenizes the prompt)."""
-    return await asyncio.to_thread(build_call, engine.tokenizer, chat, options,
-                                   recent_cap=engine.config.recent_message_cap, **how)
+    return await asyncio.to_thread(build_call, engine, chat, options, **how)
 
 
 def matched_stop(tokenizer, token_ids: list, stops: tuple) -> Optional[str]:

@@ -38,11 +38,12 @@ _ids = itertools.count()
 
 def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: Optional[list] = None,
                     chat_template_kwargs: Optional[dict] = None, chat: bool = False,
-                    **caps) -> tuple:
+                    render: Callable = render_chat) -> tuple:
     """A string, chat messages ({"role", "content"} dicts), a `Rendered` chat, or token
-    ids -> (ids, the Rendered chat or None). A chat's template is rendered once (with
-    `caps`: render_chat's recent_cap and system_cap). A string is raw text, as mlx-lm
-    takes it; with `chat` it is one user message, sent through the chat template."""
+    ids -> (ids, the Rendered chat or None). A chat's template is rendered once, by
+    `render(messages, tools, chat_template_kwargs)` (`Engine.render`: with the engine's
+    caps). A string is raw text, as mlx-lm takes it; with `chat` it is one user message,
+    sent through the chat template."""
     rendered = None
     if chat and isinstance(prompt, str) and prompt:
         prompt = [{"role": "user", "content": prompt}]
@@ -58,7 +59,7 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: Optional[
             raise ValueError("prompt is empty")
         ids = tokenizer.encode(check_text(prompt, "prompt"))
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        rendered = render_chat(tokenizer, list(prompt), tools, chat_template_kwargs, **caps)
+        rendered = render(list(prompt), tools, chat_template_kwargs)
     elif isinstance(prompt, (list, tuple)) and prompt and all(
         isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
     ):
@@ -210,6 +211,15 @@ class Engine:
         """The target's tokenizer (mlx-lm TokenizerWrapper); safe to use from any thread."""
         return self.info.tokenizer
 
+    def render(self, messages: list, tools: Optional[list] = None,
+               chat_template_kwargs: Optional[dict] = None) -> Rendered:
+        """Render a chat as this engine's requests do (the target's template, the
+        engine's `recent_message_cap` and `system_message_cap`); the result is a prompt
+        (`engine.generate(rendered)`). Blocks until the models are loaded."""
+        return render_chat(self.tokenizer, messages, tools, chat_template_kwargs,
+                           recent_cap=self.config.recent_message_cap,
+                           system_cap=self.config.system_message_cap)
+
     def shutdown_sync(self, timeout: float = 30.0) -> None:
         """Abort in-flight and queued requests (they end with finish_reason "abort"),
         stop the worker, which frees the models on its own thread."""
@@ -276,10 +286,8 @@ class Engine:
             from .constrained import check_response_format
 
             response_format = check_response_format(response_format)
-        tokens, rendered = tokenize_prompt(
-            prompt, info.tokenizer, info.vocab_size, tools, chat_template_kwargs, chat,
-            recent_cap=self.config.recent_message_cap,
-            system_cap=self.config.system_message_cap)
+        tokens, rendered = tokenize_prompt(prompt, info.tokenizer, info.vocab_size, tools,
+                                           chat_template_kwargs, chat, self.render)
         max_tokens, warnings = params.max_tokens, []
         if info.context_length:
             room = info.context_length - tokens.size
