@@ -6,7 +6,6 @@ bad key, 404, 413 body too large, 429 overload, 500 a failed request, 503 the en
 cannot serve. `classify` turns whatever a request raised into an `APIError`.
 """
 
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -76,7 +75,3 @@ def is_anthropic(path: str) -> bool:
 
 def error_body(error: APIError, path: str) -> dict:
     return anthropic_body(error) if is_anthropic(path) else openai_body(error)
-
-
-def error_bytes(error: APIError, path: str) -> bytes:
-    return json.dumps(error_body(error, path)).encode()

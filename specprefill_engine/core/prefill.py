@@ -145,9 +145,11 @@ def prefill_chunk(model: nn.Module, tokens: mx.array, cache: list,
     return None
 
 
-def cache_length(cache: list) -> int:
-    """Entries the cache holds (the first layer with an integer offset)."""
-    return next((c.offset for c in cache if isinstance(getattr(c, "offset", None), int)), 0)
+def cache_length(cache: list, default: Optional[int] = 0) -> Optional[int]:
+    """Entries the cache holds (the first layer with an integer offset; `default` when no
+    layer counts them)."""
+    return next((c.offset for c in cache if isinstance(getattr(c, "offset", None), int)),
+                default)
 
 
 def chunked_prefill(

@@ -236,7 +236,6 @@ class DecodeBatch:
             if row is not None and not known:
                 row.generated.append(token)
                 produced.append((row, token))
-        self._known = [True] * len(self.slots)
         return produced
 
     def extract(self, row, count: int) -> list:

@@ -59,7 +59,9 @@ import threading
 import weakref
 from typing import Any, Callable, Optional
 
-from .tool_calls import TOOL_FORMATS, ToolsNotSupportedError, think_markers, tool_format
+from .tool_calls import (
+    TOOL_FORMATS, ToolsNotSupportedError, check_tool_choice, think_markers, tool_format,
+)
 
 _FORMATS = ("json_object", "json_schema", "tool_call", "lark", "regex")
 REASONING = ("open", "optional", "none")
@@ -121,20 +123,17 @@ def _check_tools(tools) -> list:
 
 
 def _check_tool_choice(choice, names: list):
-    if choice is None or choice == "auto":
-        return "auto"
-    if choice in ("required", "any") or choice is True:
-        return "required"
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" \
-            else choice.get("name")
-    elif isinstance(choice, str):
-        name = choice
-    else:
-        _fail(f"tool_choice must be 'auto', 'required', or a tool name; got {choice!r}", TypeError)
-    if name not in names:
-        _fail(f"tool_choice names {name!r}, which is not among the tools {names}")
-    return {"type": "function", "function": {"name": name}}
+    """`tool_calls.check_tool_choice`'s choice as the grammar takes it (a name as a
+    function object); "none" constrains nothing, so it has no grammar."""
+    try:
+        checked = check_tool_choice(choice, names)
+    except ValueError as error:
+        _fail(str(error))
+    if checked == "none":
+        _fail("tool_choice 'none' has no grammar: leave response_format out")
+    if checked in ("auto", "required"):
+        return checked
+    return {"type": "function", "function": {"name": checked}}
 
 
 def _check_reasoning(response_format) -> dict:

@@ -49,16 +49,26 @@ class PrefixCaches:
     draft: Optional[PrefixCache] = None
 
 
-def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> tuple[bool, str]:
-    """The request's choice, unless too little is left after a cached prefix; else the
-    automatic policy: the threshold as a floor, then engage only where the predicted
-    gain beats the margin."""
+def caches_for(state: RequestState, caches: PrefixCaches) -> PrefixCaches:
+    """The prefix caches a request reads and fills: none with `cache_prompt=False`."""
+    return caches if state.cache_prompt else PrefixCaches()
+
+
+def find_dense(state: RequestState, target: Optional[PrefixCache]) -> Optional[Hit]:
+    """The longest prefix of the prompt a dense entry can be restored at."""
+    return target.find(state.tokens, dense_only=True) if target is not None else None
+
+
+def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches,
+           dense_hit: Optional[Hit]) -> tuple[bool, str]:
+    """The request's choice, unless too little is left after `dense_hit`, a cached
+    prefix; else the automatic policy: the threshold as a floor, then engage only where
+    the predicted gain beats the margin."""
     if state.specprefill is False:
         return False, "disabled for this request"
     if runtime.scorer is None:
         return False, "no draft model configured"
     length, config = state.tokens.size, runtime.config
-    dense_hit = caches.target.find(state.tokens, dense_only=True) if caches.target else None
     floor = config.chunk_size + config.tail_tokens
     if state.specprefill is None or (dense_hit is not None and dense_hit.entry.densified):
         floor = max(floor, state.threshold)  # a densified prefix: a turn as dense would run it
@@ -97,11 +107,9 @@ def _set_feed(state: RequestState, runtime: Runtime, hit: Optional[Hit], cut: in
     state.status = PREFILLING
 
 
-def plan_dense(state: RequestState, runtime: Runtime, target: Optional[PrefixCache]) -> None:
-    """From the longest prefix a cached entry can be restored at (exactly the shared
-    prefix on a plain model; a checkpoint at or before it on a hybrid or sliding-window
-    one)."""
-    hit = target.find(state.tokens, dense_only=True) if target is not None else None
+def plan_dense(state: RequestState, runtime: Runtime, hit: Optional[Hit]) -> None:
+    """From `hit` (`find_dense`'s: exactly the shared prefix on a plain model; a
+    checkpoint at or before it on a hybrid or sliding-window one)."""
     cut = hit.cut if hit is not None else 0
     state.report.reuse = f"dense {hit.describe(cut)}" if cut else "none"
     state.positions = None
@@ -239,15 +247,15 @@ def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixCach
     report.reason = f"fell back to dense prefill: {error}"
     report.kept_tokens = int(state.tokens.size)
     state.scoring = state.scoring_cache = None
-    plan_dense(state, runtime, caches.target)
+    plan_dense(state, runtime, find_dense(state, caches.target))
 
 
 def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
     """Decide the request's prefill: scoring (then `plan_sparse`) or a dense feed."""
-    if not state.cache_prompt:
-        caches = PrefixCaches()
+    caches = caches_for(state, caches)
+    dense_hit = find_dense(state, caches.target)
     report = state.report
-    report.engaged, report.reason = decide(state, runtime, caches)
+    report.engaged, report.reason = decide(state, runtime, caches, dense_hit)
     if report.engaged:
         try:
             start_scoring(state, runtime, caches.draft)
@@ -255,7 +263,7 @@ def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
         except Exception as error:
             fall_back_to_dense(state, runtime, caches, error)
             return
-    plan_dense(state, runtime, caches.target)
+    plan_dense(state, runtime, dense_hit)
 
 
 def split_at_boundaries(chunk_ends: list, boundaries: tuple, cut: int, size: int,

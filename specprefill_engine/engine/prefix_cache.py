@@ -34,6 +34,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from ..core.prefill import cache_length
+
 MAX_CHECKPOINTS = 16  # per entry; the longest are kept, the ones a next turn can use
 
 
@@ -76,11 +78,6 @@ def _nbytes(tree) -> int:
     return sum(x.nbytes for _, x in tree_flatten(tree) if isinstance(x, mx.array))
 
 
-def _fed(cache: list) -> Optional[int]:
-    """How many entries the cache has taken (None when no layer counts them)."""
-    return next((c.offset for c in cache if isinstance(getattr(c, "offset", None), int)), None)
-
-
 @dataclass
 class Snapshot:
     """The layers that cannot be cut, as they stood when it was taken."""
@@ -98,7 +95,7 @@ def snapshot(cache: list) -> Snapshot:
     """The cache's uncuttable layers now, by reference: cheap enough to take at every
     point a later prompt may share (each chat message's end, the prompt's end)."""
     layers = {i: (type(c), _hold(c.state)) for i, c in enumerate(cache) if not cuttable(c)}
-    return Snapshot(layers, _fed(cache), _nbytes(list(layers.values())))
+    return Snapshot(layers, cache_length(cache, None), _nbytes(list(layers.values())))
 
 
 @dataclass
@@ -284,7 +281,7 @@ class PrefixCache:
         checkpoints = dict(checkpoints or {})
         _validated(tokens, positions, checkpoints, cache)
         new = Entry(tokens, positions, [], {}, -1, keep=keep, densified=densified)
-        count, fed = new.count, _fed(cache)
+        count, fed = new.count, cache_length(cache, None)
         if count == 0 or any(c.offset < count for c in cache if cuttable(c)):
             return None
         if reusable(cache):

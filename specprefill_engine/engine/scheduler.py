@@ -46,8 +46,8 @@ from .distributed import Watchdog
 from .executor import Executor, TurnOutcome
 from .plan import Join, Store, TurnPlan
 from .prefill import (
-    PrefixCaches, begin, fall_back_to_dense, plan_sparse, score_unit, short_prefill_share,
-    unit_chunks,
+    PrefixCaches, begin, caches_for, fall_back_to_dense, plan_sparse, score_unit,
+    short_prefill_share, unit_chunks,
 )
 from .prefix_cache import PrefixCache, prefix_cache_for
 from .results import Progress
@@ -458,11 +458,10 @@ class Scheduler:
         """One unit of the draft's scoring (rank 0 alone); at its end, the selection."""
         if state.cancelled.is_set():
             return  # ends at the next turn's start
-        draft = caches.draft if state.cache_prompt else None
-        target = caches.target if state.cache_prompt else None
+        caches = caches_for(state, caches)
         started = time.perf_counter()
         try:
-            importance = score_unit(state, runtime, draft)
+            importance = score_unit(state, runtime, caches.draft)
             state.scoring_busy += time.perf_counter() - started
             if state.progress:
                 state.emit(Progress("scoring", *state.scored))
@@ -472,9 +471,9 @@ class Scheduler:
             cached = state.usage.draft_cached_tokens
             runtime.costs.observe("draft", int(state.tokens.size) - cached, cached,
                                   state.scoring_busy)
-            plan_sparse(state, runtime, PrefixCaches(target, draft), importance)
+            plan_sparse(state, runtime, caches, importance)
         except Exception as error:  # SpecPrefill's own step: the request goes on densely
-            fall_back_to_dense(state, runtime, PrefixCaches(target, draft), error)
+            fall_back_to_dense(state, runtime, caches, error)
 
     # endings -------------------------------------------------------------------
 

@@ -90,11 +90,6 @@ class RequestState:
         if self.constraint is not None:
             self.processors.append(self.constraint)
 
-    @property
-    def entries(self) -> int:
-        """Prompt entries in the target's cache once prefilled."""
-        return self.tokens.size if self.positions is None else int(self.positions.size)
-
     def describe(self) -> str:
         text = f"{self.id} (#{self.handle}) {self.status}"
         if self.status == SCORING:
