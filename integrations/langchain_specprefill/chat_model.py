@@ -30,11 +30,11 @@ from pydantic import Field, field_validator, model_validator
 
 from specprefill_engine import Engine
 
-from specprefill_engine.engine.chat import tools_problem
+from specprefill_engine.engine.chat import tool_request, tools_problem
 from specprefill_engine.engine.runtime import EngineConfig
 from specprefill_engine.engine.sampling import SamplingParams, check_keywords
 from specprefill_engine.engine.tool_calls import (
-    OutputParser, ToolsNotSupportedError, check_tool_choice, tool_choice_format,
+    OutputParser, ToolsNotSupportedError, check_tool_choice,
 )
 from specprefill_engine.loading import DTYPES, resolve_dtype
 
@@ -261,15 +261,12 @@ class ChatSpecPrefill(BaseChatModel):
         engine = self.engine
         tokenizer = engine.tokenizer
         if tools:
-            choice = check_tool_choice(kwargs.get("tool_choice"),
-                                       [t["function"]["name"] for t in tools])
-            problem = tools_problem(tokenizer)
-            if problem is not None:
-                raise ToolsNotSupportedError(f"{self.model_name}: {problem}")
-            if response_format is None:
-                response_format = tool_choice_format(
-                    tokenizer, tools, choice,
-                    kwargs.get("parallel_tool_calls", self.parallel_tool_calls))
+            try:
+                choice, response_format = tool_request(
+                    tokenizer, tools, kwargs.get("tool_choice"),
+                    kwargs.get("parallel_tool_calls", self.parallel_tool_calls), response_format)
+            except ToolsNotSupportedError as error:
+                raise ToolsNotSupportedError(f"{self.model_name}: {error}") from None
         if response_format is not None:
             budget = kwargs.get("reasoning_budget", self.reasoning_budget)
             if budget is not None:

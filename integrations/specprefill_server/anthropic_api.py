@@ -23,14 +23,12 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse
 
-from .chat import Call, Extensions, Loose, matched_stop, prepare, report
+from .chat import Call, Extensions, Loose, given_options, matched_stop, prepare, report
 from .errors import APIError, anthropic_body
 from .streaming import EventStream, output_events, whole_result
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
-ENGINE_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty",
-                 "ignore_eos", "keep", "specprefill", "threshold")
 CLIENT_TOOL_TYPES = (None, "custom")
 UNREAD_BLOCKS = ("redacted_thinking",)  # carry nothing a local model can read
 
@@ -217,8 +215,7 @@ def _check(body: Prompt) -> None:
 
 async def messages_call(state, body: MessagesRequest) -> Call:
     _check(body)
-    options = {name: getattr(body, name) for name in ENGINE_FIELDS
-               if getattr(body, name) is not None}
+    options = given_options(body)
     options.update(max_tokens=body.max_tokens, clamp_max_tokens=False)
     if body.stop_sequences:
         options["stop"] = list(body.stop_sequences)

@@ -137,7 +137,7 @@ class Guard:
 
 
 def _validation_error(request: Request, error: RequestValidationError) -> Response:
-    """Pydantic's first complaint, as a 400 naming the field (both APIs answer 400)."""
+    """Pydantic's first complaint, as a 400 naming the field (every API answers 400)."""
     problem = error.errors()[0]
     loc = [str(part) for part in problem.get("loc", ()) if part != "body"]
     if problem.get("type") == "json_invalid":

@@ -1,4 +1,4 @@
-"""What both chat APIs share: one engine call from a request's messages, tools and
+"""What the chat APIs share: one engine call from a request's messages, tools and
 formats, and the reading of its output (content, reasoning, tool calls).
 
 Tool choice is enforced as `ChatSpecPrefill` does it, by the same functions
@@ -19,10 +19,8 @@ from typing import Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
-from specprefill_engine.engine.chat import Rendered, tools_problem
-from specprefill_engine.engine.tool_calls import (
-    OutputParser, check_tool_choice, tool_choice_format,
-)
+from specprefill_engine.engine.chat import Rendered, tool_request
+from specprefill_engine.engine.tool_calls import OutputParser
 
 from .errors import APIError
 
@@ -34,7 +32,7 @@ class Loose(BaseModel):
 
 
 class Extensions(BaseModel):
-    """Request fields both APIs take beyond their own: engine sampling settings,
+    """Request fields every API takes beyond its own: engine sampling settings,
     SpecPrefill per request, and `progress` (prefill progress in place of keep-alives)."""
 
     min_p: Optional[float] = None
@@ -44,6 +42,15 @@ class Extensions(BaseModel):
     specprefill: Optional[bool] = None
     threshold: Optional[int] = None
     progress: bool = False
+
+
+ENGINE_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty",
+                 "ignore_eos", "keep", "specprefill", "threshold")
+
+
+def given_options(body) -> dict:
+    """The request's engine settings (`ENGINE_FIELDS`) that it sets."""
+    return {name: getattr(body, name) for name in ENGINE_FIELDS if getattr(body, name) is not None}
 
 
 def report(final) -> dict:
@@ -116,13 +123,9 @@ def build_call(engine, chat: list, options: dict, *, tools: Optional[list] = Non
     options = dict(options)
     parse_tools = False
     if tools:
-        choice = check_tool_choice(choice, [tool["function"]["name"] for tool in tools])
-        problem = tools_problem(tokenizer)
-        if problem is not None:
-            raise APIError(400, f"tools: this model cannot take tools: {problem}", "tools")
+        choice, response_format = tool_request(tokenizer, tools, choice, parallel,
+                                               response_format)  # its errors name the field
         parse_tools = choice != "none"
-        if response_format is None:
-            response_format = tool_choice_format(tokenizer, tools, choice, parallel)
     elif choice not in (None, "auto", "none"):
         raise APIError(400, f"tool_choice is {choice!r} but no tools are given", "tool_choice")
     if response_format is not None:

@@ -22,13 +22,11 @@ from mlx_lm.sample_utils import make_logits_processors
 from pydantic import ConfigDict, Field
 from starlette.responses import JSONResponse
 
-from .chat import Call, Extensions, Loose, prepare, read_events, report
+from .chat import Call, Extensions, Loose, given_options, prepare, read_events, report
 from .errors import APIError, openai_body
 from .streaming import EventStream, output_events, whole_result
 
 router = APIRouter()
-ENGINE_FIELDS = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
-                 "ignore_eos", "keep", "specprefill", "threshold")
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FINISH = {"stop": "stop", "length": "length"}
 
@@ -171,8 +169,7 @@ def engine_options(body: Common, info, max_tokens: Optional[int]) -> dict:
     """The engine's keyword arguments for the sampling fields; no max_tokens given
     means the rest of the context (as OpenAI does), clamped to fit."""
     _refuse_unserved(body)
-    options = {name: getattr(body, name) for name in ENGINE_FIELDS
-               if getattr(body, name) is not None}
+    options = given_options(body)
     if max_tokens is not None:
         options.update(max_tokens=max_tokens, clamp_max_tokens=False)
     elif info.context_length:

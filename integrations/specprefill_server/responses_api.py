@@ -18,6 +18,7 @@ cut it); a failure mid-stream is an `error` event and `response.failed`. Usage's
 the engine's report under `specprefill` and `timings`.
 """
 
+import asyncio
 import json
 import time
 import uuid
@@ -373,7 +374,8 @@ def usage(u, reasoning_tokens: int) -> dict:
 
 
 def finished(state, base: dict, items: Items, final) -> dict:
-    """The whole response, once `items.end(final)` has run."""
+    """The whole response, once `items.end(final)` has run (it tokenizes the thinking
+    text: call it in a thread)."""
     cut = final.finish_reason == "length"
     thought = "".join(item["content"][0]["text"] for item in items.done
                       if item["type"] == "reasoning")
@@ -416,7 +418,7 @@ class ResponseStream:
                                                         "progress": asdict(value)})
             elif kind == "end":
                 events = self._all(self.items.end(value))
-                response = finished(state, self.base, self.items, value)
+                response = await asyncio.to_thread(finished, state, self.base, self.items, value)
                 done = "response.incomplete" if response["status"] == "incomplete" \
                     else "response.completed"
                 yield events + self.sse(done, {"response": response})
@@ -444,4 +446,4 @@ async def responses(body: ResponsesRequest, request: Request):
     for kind, value in call.reply(state.engine.tokenizer, result):
         items.feed(kind, value)
     items.end(result)
-    return JSONResponse(finished(state, base, items, result))
+    return JSONResponse(await asyncio.to_thread(finished, state, base, items, result))

@@ -37,7 +37,9 @@ from typing import Optional
 import numpy as np
 
 from .segments import protect, special_ids
-from .tool_calls import think_markers, tool_format
+from .tool_calls import (
+    ToolsNotSupportedError, check_tool_choice, think_markers, tool_choice_format, tool_format,
+)
 
 logger = logging.getLogger(__name__)
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -203,6 +205,21 @@ def tools_problem(tokenizer) -> Optional[str]:
 
 
 # rendering ------------------------------------------------------------------------------
+
+
+def tool_request(tokenizer, tools: list, choice, parallel: bool,
+                 response_format: Optional[dict] = None) -> tuple[str, Optional[dict]]:
+    """A request with `tools` (OpenAI's function form): its choice (`check_tool_choice`'s)
+    and the response_format that enforces it (the caller's own, when it gives one).
+    Raises ValueError for a bad choice and ToolsNotSupportedError when this template
+    cannot take tools or this call format cannot be constrained."""
+    choice = check_tool_choice(choice, [tool["function"]["name"] for tool in tools])
+    problem = tools_problem(tokenizer)
+    if problem is not None:
+        raise ToolsNotSupportedError(f"tools: this model cannot take tools: {problem}")
+    if response_format is None:
+        response_format = tool_choice_format(tokenizer, tools, choice, parallel)
+    return choice, response_format
 
 
 def _text(tokenizer, messages: list, extra: dict, generation: bool):
