@@ -61,15 +61,19 @@ async def test_a_failure_at_any_stage_fails_only_its_request(engine, alone, stag
     victim = requests[3]
     victim["request_id"] = VICTIM
     executor = engine._scheduler.executor
+    fired, handles = [], []  # the victim's handle, seen while it runs
 
     def fault(handle):
-        if _handle_is_victim(engine, handle):
+        if _handle_is_victim(engine, handle) or handle in handles:
+            fired.append(stage)
             raise Fault(f"injected at {stage}")
 
     if stage in ("restore", "prefill", "join", "decode", "store"):
         executor.faults[stage] = fault
-    if stage == "store":  # the victim's cache is kept, or not: it must succeed either way
-        victim["cache_prompt"] = True
+    if stage == "store":  # stored as the request ends: its handle is noted at its prefill
+        victim["cache_prompt"] = True  # it must succeed, its cache left out
+        executor.faults["prefill"] = lambda handle: handles.extend(
+            [handle] if _handle_is_victim(engine, handle) else [])
     if stage == "sample":
         def processor(generated, logits):
             if generated.size >= 2:
@@ -89,6 +93,8 @@ async def test_a_failure_at_any_stage_fails_only_its_request(engine, alone, stag
             *(engine.generate(**request) for request in requests), return_exceptions=True), HANG)
     finally:
         executor.faults.clear()
+    if stage == "store":  # the victim succeeds: the fault must still have been raised
+        assert fired
     for index, outcome in enumerate(outcomes):
         if index == 3 and stage != "store":
             assert isinstance(outcome, RequestFailedError), outcome

@@ -78,13 +78,14 @@ class Executor:
         if self.prefix is not None:
             self.prefix.merged.clear()  # a plan's restores name entries as it was decided
         stored = [self._store(s, outcome) for s in plan.stores]
+        clear = False
         for key in plan.drops:
             self.prefix.drop(key)
         for handle in plan.releases:
             self._release(handle)
         joined = [self._join(j, rows, outcome) for j in plan.joins]
         if self.group is not None and (plan.stores or plan.joins):
-            self._agree(plan, stored, joined, outcome)
+            clear = self._agree(plan, stored, joined, outcome)
         if plan.decode:
             self._decode(outcome)
         for entry in plan.restores:
@@ -92,6 +93,8 @@ class Executor:
         for chunk in plan.chunks:
             if chunk.handle not in outcome.failed:
                 self._guard(outcome, chunk.handle, "prefill", self._chunk, chunk, outcome)
+        if clear:  # after this plan's restores, which name entries every rank holds
+            self.prefix.clear()
         return outcome
 
     def _guard(self, outcome: TurnOutcome, handle: int, stage: str, work, *args) -> None:
@@ -157,18 +160,24 @@ class Executor:
         self.rows[handle], self.groups[handle] = row, group
         return True
 
-    def _agree(self, plan: TurnPlan, stored: list, joined: list, outcome: TurnOutcome) -> None:
+    def _agree(self, plan: TurnPlan, stored: list, joined: list, outcome: TurnOutcome) -> bool:
         """Every rank learns which stores and joins failed on any rank, and undoes
-        them: a row must be in every rank's batch or in none."""
+        them: a row must be in every rank's batch or in none. A store that failed
+        somewhere leaves the ranks' prefix caches different: True, they are to be
+        cleared (after the plan's restores), and the next key is agreed (a rank that
+        stored used one, a rank that failed did not)."""
         local = np.array([not ok for ok in stored + joined], dtype=np.int32)
         anywhere = np.array(mx.distributed.all_sum(mx.array(local), group=self.group)) > 0
-        if anywhere[: len(stored)].any():
-            self.prefix.clear()
+        clear = bool(anywhere[: len(stored)].any())
+        if clear:
+            agreed = mx.distributed.all_max(mx.array([self.prefix.next_key]), group=self.group)
+            self.prefix.next_key = int(agreed.item())
         for join, failed, ok in zip(plan.joins, anywhere[len(stored):], joined):
             if failed and ok:
                 self._release(join.handle)
                 outcome.failed.setdefault(join.handle, RuntimeError(
                     "joining the decode batch failed on another rank"))
+        return clear
 
     def _decode(self, outcome: TurnOutcome) -> None:
         check = self.faults.get("decode")

@@ -208,7 +208,7 @@ class PrefixCache:
         self.max_checkpoints = max_checkpoints
         self.entries: "OrderedDict[int, Entry]" = OrderedDict()
         self.total_bytes = 0
-        self._next_key = 0
+        self.next_key = 0  # keys are never reused; on every rank the same entry has one key
         self.merged: dict[int, int] = {}  # key -> the key of the entry that absorbed it
 
     def find(self, tokens: np.ndarray, dense_only: bool = False) -> Optional[Hit]:
@@ -305,8 +305,8 @@ class PrefixCache:
         if new.nbytes > self.max_bytes:
             return None
         mx.eval(new.kv, _states(new.checkpoints))  # a failed copy fails here, changing nothing
-        new.key = self._next_key
-        self._next_key += 1
+        new.key = self.next_key
+        self.next_key += 1
         for old in absorbed:
             self.drop(old.key)
             self.merged[old.key] = new.key
