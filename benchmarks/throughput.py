@@ -19,7 +19,8 @@ Then the longest gap a decoding stream sees while another request prefills 8K
 tokens, against the median scheduler turn of that prefill (medians over the repeats).
 With `--special-rows`, at 16 streams: the engine with one row under a repetition
 penalty, and with one constrained row (`response_format` json_object), against all
-plain rows, alternating (a processor must not stop the batch's pipelining).
+plain rows, the order rotating from repeat to repeat (a processor must not stop the
+batch's pipelining).
 
     .venv/bin/python benchmarks/throughput.py                       # CPU, demo target
     python benchmarks/throughput.py --shape qwen3-8b --json out.json  # GPU, random weights
@@ -150,16 +151,21 @@ SPECIAL_ROWS = {"penalized": {"repetition_penalty": 1.1},
 
 
 async def special_rows(engine, args, vocab: int) -> list:
-    """16 streams: one penalized or constrained row against none, alternating."""
+    """16 streams: one penalized or constrained row against none. Each kind runs once
+    before timing (its first use compiles); then the kinds alternate, the order rotating
+    from repeat to repeat so none always runs first."""
     batch = prompts(16, args.prompt, vocab, 16)
     special = dict(SPECIAL_ROWS)
     if importlib.util.find_spec("llguidance") is None:  # not installed here: no grammar row
         del special["constrained"]
-    runs = {name: [] for name in ("plain", *special)}
-    for _ in range(args.repeats):
-        runs["plain"].append(await engine_run(engine, batch, args.new_tokens))
-        for name, options in special.items():
-            runs[name].append(await engine_run(engine, batch, args.new_tokens, options))
+    kinds = {"plain": None, **special}
+    for options in kinds.values():
+        await engine_run(engine, batch, 8, options)
+    runs = {name: [] for name in kinds}
+    names = list(kinds)
+    for repeat in range(args.repeats):
+        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+            runs[name].append(await engine_run(engine, batch, args.new_tokens, kinds[name]))
     plain = medians(runs["plain"])
     rows = []
     for name in special:
@@ -175,15 +181,17 @@ async def special_rows(engine, args, vocab: int) -> list:
 
 async def main_async(args) -> list:
     path = random_model_dir(args.shape) if args.shape else None
-    model, _ = load_model(path) if path else load_model()
     vocab = 4000
     rows = []
-    # at least 2: the stall measurement decodes one stream while another request prefills
-    async with Engine(model=path, draft=None, max_batch_size=max(*args.streams, 2)) as engine:
+    # at least 2: the stall measurement decodes one stream while another request prefills;
+    # the special rows run 16 streams
+    batch_size = max(*args.streams, 16 if args.special_rows else 2)
+    async with Engine(model=path, draft=None, max_batch_size=batch_size) as engine:
         warm = prompts(2, args.prompt, vocab, 99)
         await engine_run(engine, warm, 8)
         if args.special_rows:
             return await special_rows(engine, args, vocab)
+        model, _ = load_model(path) if path else load_model()
         mlx_lm_batch_run(model, warm, 8)
         for n in args.streams:
             batch = prompts(n, args.prompt, vocab, n)

@@ -29,11 +29,20 @@ def next_turn(messages: list, reply: str) -> list:
                        {"role": "user", "content": "Say the passkey again."}]
 
 
-async def densified(engine, count: int = 1) -> None:
+async def until(engine, done) -> None:
+    """Wait for `done(engine.stats()["densify"])`, bounded by HANG."""
     deadline = time.monotonic() + HANG
-    while engine.stats()["densify"].entries < count or engine.stats()["densify"].pending:
+    while not done(engine.stats()["densify"]):
         assert time.monotonic() < deadline, engine.stats()
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.01)
+
+
+async def densified(engine, count: int = 1) -> None:
+    await until(engine, lambda stats: stats.entries >= count and not stats.pending)
+
+
+async def densifying(engine) -> None:
+    await until(engine, lambda stats: stats.tokens > 0)
 
 
 async def test_the_turn_after_a_densified_one_answers_as_dense():
@@ -59,8 +68,7 @@ async def test_a_request_arriving_mid_densify_waits_at_most_one_unit():
     async with Engine() as engine:
         _, messages = turns(engine.tokenizer, 4, 3000)
         first = await engine.generate(messages, max_tokens=4, specprefill=True)
-        while engine.stats()["densify"].tokens == 0:  # densifying now
-            await asyncio.sleep(0.01)
+        await densifying(engine)
         seen = []
 
         def probe(generated, logits):  # on the worker, at the first token
@@ -86,8 +94,7 @@ async def test_shutdown_during_densify_is_prompt_and_leaves_nothing():
     engine = await Engine().start()
     _, messages = turns(engine.tokenizer, 6, 3000)
     await engine.generate(messages, max_tokens=4, specprefill=True)
-    while engine.stats()["densify"].tokens == 0:
-        await asyncio.sleep(0.01)
+    await densifying(engine)
     runtime = engine._scheduler.runtime
     model, draft = runtime.model, runtime.scorer.model
     await asyncio.wait_for(engine.shutdown(), HANG)
@@ -100,9 +107,12 @@ async def test_densify_off_stores_only_the_sparse_turn():
     async with Engine(densify="off") as engine:
         _, messages = turns(engine.tokenizer, 7, 1500)
         await engine.generate(messages, max_tokens=4, specprefill=True)
-        await asyncio.sleep(0.5)
+        # a later request: its turns plan the first one's ending, where "idle" would
+        # queue its densification
+        await engine.generate("def f():", max_tokens=2, cache_prompt=False)
         entries = list(engine._scheduler.executor.prefix.entries.values())
-        assert engine.stats()["densify"].tokens == 0
+        stats = engine.stats()["densify"]
+        assert stats.tokens == 0 and stats.pending == 0 and stats.entries == 0
     assert len(entries) == 1 and entries[0].positions is not None
 
 
