@@ -108,10 +108,12 @@ class ProgressLine:
         self.phase, self.shown = None, False
 
 
-def make_engine(args):
+def make_engine(args, **config):
+    """The Engine the command's --model, --draft, --keep and --threshold describe."""
     from .engine import Engine
 
-    return Engine(model=args.model, draft=args.draft, keep=args.keep, threshold=args.threshold)
+    return Engine(model=args.model, draft=args.draft, keep=args.keep, threshold=args.threshold,
+                  **config)
 
 
 def summary(result, dense_ttft=None) -> str:
@@ -305,17 +307,14 @@ def cmd_serve(args) -> int:
     except ImportError as error:
         raise UsageError(f"serve needs the server extra: pip install "
                          f"'specprefill-engine[server]' ({error})") from None
-    from .engine import Engine
+    def given(*names) -> dict:  # the rest: the settings' own defaults
+        return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
-    given = {name: getattr(args, name) for name in ("keepalive", "max_queued", "drain_timeout",
-                                                    "max_body_bytes", "max_batch_size")
-             if getattr(args, name) is not None}  # the rest: the settings' own defaults
-    batch = {"max_batch_size": given.pop("max_batch_size")} if "max_batch_size" in given else {}
     try:
         config = ServerConfig(model_name=args.served_model_name, api_key=args.api_key or None,
-                              **given)
-        engine = Engine(model=args.model, draft=args.draft, keep=args.keep,
-                        threshold=args.threshold, **batch)
+                              **given("keepalive", "max_queued", "drain_timeout",
+                                      "max_body_bytes"))
+        engine = make_engine(args, **given("max_batch_size"))
     except ValueError as error:
         raise UsageError(str(error)) from None
     if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
@@ -333,11 +332,12 @@ def cmd_serve(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--model", help="target model: local path or Hugging Face id (default: bundled demo)")
-    common.add_argument("--draft", help="draft model sharing the target's tokenizer (default: bundled demo)")
-    common.add_argument("--keep", type=float, default=0.3, help="share of prompt tokens to prefill (default 0.3)")
-    common.add_argument("--threshold", type=int, default=1024, help="use SpecPrefill from this many prompt tokens")
+    models = argparse.ArgumentParser(add_help=False)  # every command that loads an engine
+    models.add_argument("--model", help="target model: local path or Hugging Face id (default: bundled demo)")
+    models.add_argument("--draft", help="draft model sharing the target's tokenizer (default: bundled demo)")
+    models.add_argument("--keep", type=float, default=0.3, help="share of prompt tokens to prefill (default 0.3)")
+    models.add_argument("--threshold", type=int, default=1024, help="use SpecPrefill from this many prompt tokens")
+    common = argparse.ArgumentParser(add_help=False, parents=[models])
     choice = common.add_mutually_exclusive_group()
     choice.add_argument("--specprefill", action="store_true",
                         help="always use SpecPrefill (default: when it is predicted to pay)")
@@ -389,9 +389,8 @@ def parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.3])
     evaluate.add_argument("--quiet", action="store_true", help="no progress on stderr")
     evaluate.set_defaults(run=cmd_eval)
-    serve = commands.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
-    for name in ("--model", "--draft", "--keep", "--threshold"):
-        serve._add_action(next(a for a in common._actions if name in a.option_strings))
+    serve = commands.add_parser("serve", parents=[models],
+                                help="OpenAI- and Anthropic-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("SPECPREFILL_API_KEY"),
