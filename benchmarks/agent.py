@@ -14,7 +14,8 @@ right; per row, the loop's critical-path prefill (the sum of its TTFTs). Rows:
 - SpecPrefill + reuse (densify off): sparse-prefix reuse behind the coverage gate;
 - SpecPrefill + densify: SpecPrefill turns, their dense KV computed while the agent's
   tool runs.
-Each session runs every row in turn, each on a fresh engine (or cache) warmed up first.
+Each session runs every row in turn (the order rotating from session to session), each
+on a fresh engine (or cache) warmed up first.
 
     .venv/bin/python benchmarks/agent.py --tokens 6000 --sessions 2 --json docs/agent-cpu.json
     python benchmarks/agent.py --target-shape qwen3-8b --tokens 32000 --sessions 1 \\
@@ -115,7 +116,8 @@ def run(args) -> list:
     tokenizer = load_tokenizer(Path(args.target) if args.target else DEMO_TARGET)
     warm = argparse.Namespace(**{**vars(args), "steps": 2, "tool_seconds": 0})
     for session_index in range(args.sessions):
-        for name in args.methods:
+        turn = session_index % len(args.methods)  # the order rotates from session to session
+        for name in args.methods[turn:] + args.methods[:turn]:
             session = make_agent_session(tokenizer, session_index, args.tokens, args.steps)
             warm_session = make_agent_session(tokenizer, 99, args.tokens, 2)  # same shapes
             if METHODS[name] is None:  # a fresh cache after the warm-up: no big entry to copy
