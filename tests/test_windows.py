@@ -8,21 +8,19 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from models import build, kept_chunks, random_tokens, wrappers_left
+from models import HYBRID_CASES, ROPE_CASES, build, kept_chunks, random_tokens, wrappers_left
 from specprefill_engine.core import cleanup_rope, sparse_prefill
 from specprefill_engine.core.sparse_prefill import cover_sliding_window
 
 M, PREFIX, WINDOW = 300, 100, 64
+GPT_OSS = ROPE_CASES["gpt_oss"][1]
 CASES = {
     # sliding, global, sliding, global: the second sliding layer's input went through both
-    "gemma3": ("gemma3_text", {"num_hidden_layers": 4, "sliding_window": WINDOW,
-                               "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
-                               "rope_local_base_freq": 10000.0}),
-    "gpt_oss": ("gpt_oss", {"num_hidden_layers": 4, "sliding_window": WINDOW,
-                            "num_local_experts": 4, "num_experts_per_tok": 2, "rope_scaling": None,
-                            "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "gemma3": ("gemma3_text", {**HYBRID_CASES["gemma3-small-window"][1], "num_hidden_layers": 4,
+                               "sliding_window": WINDOW}),
+    "gpt_oss": ("gpt_oss", {**GPT_OSS, "num_hidden_layers": 4, "sliding_window": WINDOW,
+                            "layer_types": GPT_OSS["layer_types"] * 2}),
 }
-
 
 class Recorder(nn.Module):
     """Passes a projection's calls through, keeping each call's input."""
