@@ -22,6 +22,7 @@ CASES = {
                             "layer_types": GPT_OSS["layer_types"] * 2}),
 }
 
+
 class Recorder(nn.Module):
     """Passes a projection's calls through, keeping each call's input."""
 
