@@ -186,7 +186,7 @@ class Scheduler:
             self._plan_densify(plan, runtime, caches.target)
             pinned = {r.key for r in plan.restores}
             if self._prefilling is not None and self._prefilling.restore is not None:
-                pinned.add(self._prefilling.restore.key)  # restored in a later turn
+                pinned.add(self._prefilling.restore.key)  # held while the request prefills
             plan.drops += caches.target.evictions(pinned)
         if plan:
             if runtime.channel is not None:
