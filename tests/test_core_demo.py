@@ -215,6 +215,33 @@ def test_chunked_prefill_last_logits_whatever_the_chunking(demo_pair, balanced):
         assert cut <= shared and (cut == 0 or cut in chunks), shared
 
 
+@pytest.mark.parametrize("cut, ends", [(300, [512, 768, 1024, 1100]), (480, [768, 1024, 1100])])
+def test_continued_prefill_runs_the_chunks_of_a_prefill_from_zero(demo_pair, cut, ends):
+    """After a cached prefix of `cut` entries the chunks end on the grid of a prefill
+    from 0 (a first piece of at most a quarter unit joins the next chunk), and every
+    chunk's keys are a buffer of exactly its end length: a GPU, which plans attention
+    per shape and stride, then meets the shapes of earlier prompts. Logits unchanged."""
+    from specprefill_engine.core import chunked_prefill
+
+    target, _, _ = demo_pair
+    ids = mx.array(np.random.default_rng(5).integers(10, 4000, 1100))
+    whole = target(ids[None], cache=make_prompt_cache(target))[:, -1:, :]
+    cache = make_prompt_cache(target)
+    target(ids[None, :cut], cache=cache)  # mlx-lm's own growth: a buffer of 512 entries
+    steps = chunked_prefill(target, ids[cut:], cache, 256, balanced=False)
+    seen = []
+    while True:
+        try:
+            done, _ = next(steps)
+        except StopIteration as stop:
+            logits = stop.value
+            break
+        seen.append(cut + done)
+        assert all(layer.keys.shape[2] == layer.offset == cut + done for layer in cache)
+    assert seen == ends
+    assert mx.abs(logits - whole).max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("n_window", [1, 100])
 def test_scoring_progress_ends_at_its_total(demo_pair, n_window):
     """A window that pulls the capturing chunk back leaves a small last prefill chunk,

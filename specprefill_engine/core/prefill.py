@@ -4,9 +4,9 @@ Tokens go through the model a chunk at a time, each chunk in its own forward cal
 so a scheduler can interleave other work between chunks. A chunk's cost grows with
 the entries already cached (attention), so on a CPU chunks are cost-balanced: the
 first is `step_size` tokens and later ones shrink so that each costs about as many
-FLOPs (`unit_tokens`). Chunk ends depend only on the cache's length, never on the
-prompt's length or on load, so a prompt's KV is the same whatever else runs, and a
-cached prefix cut at a chunk end continues in the same chunks as from scratch. A
+FLOPs (`unit_tokens`). Chunk ends lie on the grid of a prefill from 0, never depend
+on load, so a prompt's KV is the same whatever else runs, and a cached prefix cut at a
+chunk end continues in the same chunks as from scratch. A
 small last chunk runs right after the one before it, so it costs no scheduler turn.
 With `positions` (sparse prefill: the kept tokens' original positions) every call
 gets its own position handling, removed right after it: RoPE at those positions
@@ -21,6 +21,7 @@ from typing import Generator, Iterator, Optional
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import KVCache
 
 from .adapters import takes_position_ids
 from .positions import position_runs, positioned_rope
@@ -97,15 +98,42 @@ def grid_cut(length: int, step_size: int, weight: float) -> int:
 def chunk_plan(total: int, cached: int, step_size: int, weight: float) -> list:
     """(end, pause) for each chunk of `total` tokens fed after `cached` entries: where
     it ends, and whether a scheduler turn may follow it (not before a last chunk that
-    costs at most `TAIL_SHARE` of a unit)."""
+    costs at most `TAIL_SHARE` of a unit). The ends lie on the grid of a prefill from 0,
+    so after a cached prefix every chunk but the first and the last has the shape it
+    has from scratch (a GPU's attention is planned per shape, see `fit_buffers`); a
+    first piece up to the grid that costs at most `TAIL_SHARE` of a unit joins the
+    chunk after it."""
     if total < 1:
         return []
-    ends = [*takewhile(lambda end: end < total, _unit_ends(cached, step_size, weight)), total]
+    grid = (end - cached for end in _unit_ends(0, step_size, weight) if end > cached)
+    ends = [*takewhile(lambda end: end < total, grid), total]
+    small = TAIL_SHARE * chunk_cost(step_size, 0, weight)
+    if len(ends) > 1 and chunk_cost(ends[0], cached, weight) <= small:
+        ends = ends[1:]
     pauses = [True] * len(ends)
-    if len(ends) > 1 and chunk_cost(total - ends[-2], cached + ends[-2], weight) \
-            <= TAIL_SHARE * chunk_cost(step_size, 0, weight):
+    if len(ends) > 1 and chunk_cost(total - ends[-2], cached + ends[-2], weight) <= small:
         pauses[-2] = False
     return list(zip(ends, pauses))
+
+
+def fit_buffers(cache: list, tokens: int) -> None:
+    """Size each plain KV layer's buffer to exactly its entries after a chunk of
+    `tokens`, so the chunk's attention reads contiguous keys of its end length. MLX's
+    CUDA attention (cuDNN) builds a plan per shape and stride of the keys: a prefill
+    continued from a restored prefix then reuses the plans of a prefill from 0 on the
+    same grid instead of building one per chunk (tens of ms each)."""
+    for layer in cache:
+        if type(layer) is not KVCache or layer.keys is None:
+            continue
+        size = layer.offset + tokens
+        if layer.keys.shape[2] == size:
+            continue
+        grown = []
+        for array in (layer.keys, layer.values):
+            shape = (*array.shape[:2], tokens, array.shape[3])
+            grown.append(mx.concatenate([array[..., : layer.offset, :],
+                                         mx.zeros(shape, array.dtype)], axis=2))
+        layer.keys, layer.values = grown
 
 
 def logits_of(output) -> mx.array:
@@ -136,6 +164,7 @@ def prefill_chunk(model: nn.Module, tokens: mx.array, cache: list,
     across a prompt's chunks (by default the cache holds positions 0..n-1)."""
     if positions is not None and windows is None:
         windows = SlidingWindows(cache)
+    fit_buffers(cache, tokens.size)
     output = _forward(model, tokens[None], cache, positions, windows)
     if want_logits:
         logits = logits_of(output)[:, -1:, :]
