@@ -53,12 +53,20 @@ async def test_the_turn_after_a_densified_one_answers_as_dense():
         await densified(engine)
         stats = engine.stats()["densify"]
         assert stats.tokens >= first.usage.prompt_tokens - 64 and stats.seconds > 0
-        grown = next_turn(messages, first.text)
+        # the reply as an agent framework re-serializes it: the prompt leaves the
+        # densified entry at the reply
+        grown = next_turn(messages, f"{first.text.strip()} (as the tool saw it)")
         second = await engine.generate(grown, max_tokens=8, specprefill=True)
+        # the turn after extends the second's own dense entry: still run as dense would
+        third = await engine.generate(next_turn(grown, second.text), max_tokens=8,
+                                      specprefill=True)
     report = second.specprefill
     assert "densified" in report.reuse, report.reuse
     assert not report.engaged and "too few to sparsify" in report.reason
     assert second.usage.cached_tokens >= first.usage.prompt_tokens
+    assert "densified" in third.specprefill.reuse, third.specprefill.reuse
+    assert not third.specprefill.engaged and "too few to sparsify" in third.specprefill.reason
+    assert third.usage.cached_tokens >= second.usage.prompt_tokens
     with Engine() as dense:
         alone = dense.generate_sync(grown, max_tokens=8, specprefill=False, cache_prompt=False)
     assert second.token_ids == alone.token_ids

@@ -113,6 +113,7 @@ def plan_dense(state: RequestState, runtime: Runtime, hit: Optional[Hit]) -> Non
     cut = hit.cut if hit is not None else 0
     state.report.reuse = f"dense {hit.describe(cut)}" if cut else "none"
     state.positions = None
+    state.densified = bool(cut) and hit.entry.densified  # the agent's next turns run as dense
     _set_feed(state, runtime, hit, cut, state.tokens[cut:], None)
 
 

@@ -65,6 +65,7 @@ class RequestState:
     feed: Optional[np.ndarray] = None
     feed_positions: Optional[np.ndarray] = None  # None: consecutive after the cached entries
     cached: int = 0  # entries restored from the prefix cache
+    densified: bool = False  # dense after a densified prefix: its entries count as densified
     fed: int = 0  # feed tokens computed (planned: a failure ends the request)
     prefill_busy: float = 0.0  # seconds spent in its chunks (for the cost model)
     chunk_ends: list = field(default_factory=list)  # (end, pause) of the planned chunks
