@@ -120,7 +120,10 @@ def start_server(engine: Engine):
     thread = threading.Thread(target=loop.run_until_complete,
                               args=(server.serve(sockets=[sock]),), daemon=True)
     thread.start()
+    deadline = time.monotonic() + 60
     while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the benchmark's server did not start")
         time.sleep(0.05)
     return server, thread, loop, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
