@@ -121,7 +121,12 @@ def fit_buffers(cache: list, tokens: int) -> None:
     `tokens`, so the chunk's attention reads contiguous keys of its end length. MLX's
     CUDA attention (cuDNN) builds a plan per shape and stride of the keys: a prefill
     continued from a restored prefix then reuses the plans of a prefill from 0 on the
-    same grid instead of building one per chunk (tens of ms each)."""
+    same grid instead of building one per chunk (tens of ms each). Only for chunks of
+    at least mlx-lm's growth step, for which its own growth copies the cache anyway;
+    smaller ones (a CPU's cost-balanced chunks at long context) keep its growth, which
+    reuses the room it leaves."""
+    if tokens < KVCache.step:
+        return
     for layer in cache:
         if type(layer) is not KVCache or layer.keys is None:
             continue
