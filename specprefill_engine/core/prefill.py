@@ -4,10 +4,10 @@ Tokens go through the model a chunk at a time, each chunk in its own forward cal
 so a scheduler can interleave other work between chunks. A chunk's cost grows with
 the entries already cached (attention), so on a CPU chunks are cost-balanced: the
 first is `step_size` tokens and later ones shrink so that each costs about as many
-FLOPs (`unit_tokens`). Chunk ends lie on the grid of a prefill from 0, never depend
-on load, so a prompt's KV is the same whatever else runs, and a cached prefix cut at a
-chunk end continues in the same chunks as from scratch. A
-small last chunk runs right after the one before it, so it costs no scheduler turn.
+FLOPs (`unit_tokens`). Chunk ends lie on the grid of a prefill from 0 and never
+depend on load, so a prompt's KV is the same whatever else runs, and a cached prefix
+cut at a chunk end continues in the same chunks as from scratch. A small last chunk
+runs right after the one before it, so it costs no scheduler turn.
 With `positions` (sparse prefill: the kept tokens' original positions) every call
 gets its own position handling, removed right after it: RoPE at those positions
 (`positions.py`) and sliding-window masks by them (`windows.py`);
