@@ -315,8 +315,7 @@ class Scheduler:
         if positions is not None:
             positions = np.concatenate([positions, state.tokens.size + np.arange(replied)])
         keep = state.report.keep if state.positions is not None else 1.0
-        plan.stores.append(Store(state.handle, tokens, positions, keep,
-                                 densified=state.positions is None and state.densified))
+        plan.stores.append(Store(state.handle, tokens, positions, keep, densified=state.densified))
 
     def _plan_joins(self, plan: TurnPlan, runtime: Runtime,
                     target: Optional[PrefixCache]) -> None:
