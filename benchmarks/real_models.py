@@ -97,11 +97,11 @@ def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng) 
 
 def run(args) -> None:
     out = Path(args.jsonl)
+    out.touch()
     done = set()
-    if out.exists():
-        for line in out.read_text().splitlines():
-            r = json.loads(line)
-            done.add((r["model"], r["kind"], r["length"], r["seed"]))
+    for line in out.read_text().splitlines():
+        r = json.loads(line)
+        done.add((r["model"], r["kind"], r["length"], r["seed"]))
     device, started = str(mx.default_device()), time.perf_counter()
     for name in args.models:
         folder = Path(args.folder[name]) if name in args.folder else gguf.convert(name)
@@ -141,7 +141,8 @@ def methods(rows: list) -> list:
 
 def table(rows: list) -> str:
     """Per model, kind and length: dense accuracy, then each method's accuracy with the
-    share of dense it retains and the needle coverage of its selections."""
+    share of dense it retains (over the cases that ran the method: files of other keeps
+    combine) and the needle coverage of its selections."""
     names = methods(rows)
     lines = ["| model | kind | tokens | n | dense | " + " | ".join(names) + " |",
              "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " |"]
@@ -149,21 +150,26 @@ def table(rows: list) -> str:
                    key=lambda c: (c[0], KINDS.index(c[1]), c[2]))
     for model, kind, length in cells:
         group = [r for r in rows if (r["model"], r["kind"], r["length"]) == (model, kind, length)]
-        dense = np.mean([r["dense"] for r in group])
         out = []
         for name in names:
-            score = np.mean([r[name] for r in group])
-            retained = f" ({score / dense:.0%})" if dense else ""
-            cover = np.mean([r[f"{name}_cover"] for r in group])
-            out.append(f"{score:.2f}{retained}" + ("" if kind == "summary" else f", cov {cover:.2f}"))
-        lines.append(f"| {model} | {kind} | {length} | {len(group)} | {dense:.2f} | "
-                     + " | ".join(out) + " |")
+            ran = [r for r in group if name in r]
+            if not ran:
+                out.append("")
+                continue
+            score, dense = np.mean([r[name] for r in ran]), np.mean([r["dense"] for r in ran])
+            share = f" ({score / dense:.0%})" if dense else ""
+            size = "" if len(ran) == len(group) else f", n {len(ran)}"
+            cover = np.mean([r[f"{name}_cover"] for r in ran])
+            out.append(f"{score:.2f}{share}" + ("" if kind == "summary" else f", cov {cover:.2f}") + size)
+        lines.append(f"| {model} | {kind} | {length} | {len(group)} | "
+                     f"{np.mean([r['dense'] for r in group]):.2f} | " + " | ".join(out) + " |")
     return "\n".join(lines)
 
 
 def retained(rows: list) -> dict:
     """{(model, method): retained share of dense} over the cells where dense > 0.5
-    (summaries excluded: they have no dense accuracy to retain)."""
+    (summaries excluded: they have no dense accuracy to retain), each method over the
+    cases that ran it."""
     found = {}
     for model in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == model and r["kind"] != "summary"]
@@ -171,11 +177,11 @@ def retained(rows: list) -> dict:
         good = [c for c in cells
                 if np.mean([r["dense"] for r in mine if (r["kind"], r["length"]) == c]) > 0.5]
         picked = [r for r in mine if (r["kind"], r["length"]) in good]
-        if not picked:
-            continue
-        dense = np.mean([r["dense"] for r in picked])
         for name in methods(picked):
-            found[(model, name)] = float(np.mean([r[name] for r in picked]) / dense)
+            ran = [r for r in picked if name in r]
+            dense = np.mean([r["dense"] for r in ran])
+            if dense:
+                found[(model, name)] = float(np.mean([r[name] for r in ran]) / dense)
     return found
 
 

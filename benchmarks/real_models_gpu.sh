@@ -9,6 +9,8 @@
 #     mkdir -p /tmp/real && cp .gpu/real/pK/* /tmp/real/
 # then, once MLX is installed (export PYTHONPATH=/tmp/site:$PWD):
 #     bash benchmarks/real_models_gpu.sh install     # assemble, check, convert to /tmp/models
+# then grid calls, each adding whole cases for SECONDS and returning $OUT/real-models-gpu.jsonl:
+#     bash benchmarks/real_models_gpu.sh grid SECONDS
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -56,8 +58,34 @@ install)
     --gguf smollm2=/tmp/real/smollm2.gguf gemma3=/tmp/real/gemma3.gguf \
     --tokenizer smollm2=/tmp/real/tokenizers/smollm2 gemma3=/tmp/real/tokenizers/gemma3
   ;;
+grid)
+  # The small models leave the GPU mostly idle (their steps are host-bound), so slices of
+  # the grid run side by side, one process and JSONL each in /tmp/grid (kept while the
+  # machine is), each resuming its file. Slice: model, kinds, lengths (commas).
+  export SPECPREFILL_CACHE_DIR=/tmp/models
+  mkdir -p /tmp/grid
+  while read -r model kinds lengths; do
+    name="$model-${kinds//,/-}-${lengths//,/-}"
+    python3 benchmarks/real_models.py --models "$model" --kinds ${kinds//,/ } \
+      --lengths ${lengths//,/ } --n 100 --jsonl "/tmp/grid/$name.jsonl" --until "${2:-480}" \
+      > "/tmp/grid/$name.log" 2>&1 &
+  done <<'SLICES'
+gemma3 passkey 8192,32768
+gemma3 multikey 8192,32768
+gemma3 qa 8192,32768
+gemma3 two_hop 8192,32768
+gemma3 passkey,multikey 4096,16384
+gemma3 qa,two_hop 4096,16384
+gemma3 summary 8192
+smollm2 passkey,multikey 1024,2048
+smollm2 two_hop,qa,summary 1024,2048
+SLICES
+  wait
+  tail -n 2 /tmp/grid/*.log
+  cat /tmp/grid/*.jsonl > "${OUT:-/tmp}/real-models-gpu.jsonl"
+  ;;
 *)
-  echo "usage: $0 prepare|install" >&2
+  echo "usage: $0 prepare|install|grid SECONDS" >&2
   exit 2
   ;;
 esac
