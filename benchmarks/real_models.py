@@ -102,6 +102,9 @@ def run(args) -> None:
     for line in out.read_text().splitlines():
         r = json.loads(line)
         done.add((r["model"], r["kind"], r["length"], r["seed"]))
+    if args.memory_limit:  # side by side on one GPU, each process's buffer cache bounded
+        mx.set_memory_limit(int(args.memory_limit * 2**30))
+        mx.set_cache_limit(int(args.memory_limit * 2**30) // 7)
     device, started = str(mx.default_device()), time.perf_counter()
     for name in args.models:
         folder = Path(args.folder[name]) if name in args.folder else gguf.convert(name)
@@ -227,6 +230,9 @@ def main(argv=None) -> int:
     parser.add_argument("--jsonl", help="append one line per case here (and resume from it)")
     parser.add_argument("--until", type=float, default=0,
                         help="start no case after this many seconds (a device call's limit)")
+    parser.add_argument("--memory-limit", type=float, default=0, metavar="GB",
+                        help="device memory this process may use, its buffer cache a seventh "
+                             "(processes sharing a GPU: MLX's cache otherwise keeps what it freed)")
     parser.add_argument("--table", nargs="*", help="print the table of these JSONL files")
     parser.add_argument("--plot", help="with --table: draw accuracy retained against keep")
     args = parser.parse_args(argv)

@@ -59,30 +59,33 @@ install)
     --tokenizer smollm2=/tmp/real/tokenizers/smollm2 gemma3=/tmp/real/tokenizers/gemma3
   ;;
 grid)
-  # The small models leave the GPU mostly idle (their steps are host-bound), so slices of
-  # the grid run side by side, one process and JSONL each in /tmp/grid (kept while the
-  # machine is), each resuming its file. Slice: model, kinds, lengths (commas).
-  export SPECPREFILL_CACHE_DIR=/tmp/models
+  # The small models leave the GPU half idle (their steps are host-bound), so slices of the
+  # grid run four side by side, one process and JSONL each in /tmp/grid (kept while the
+  # machine is), each resuming its file, until SECONDS from the call's start. A slice is
+  # model, kinds, lengths (commas), in the order they matter.
+  export SPECPREFILL_CACHE_DIR=/tmp/models end=$(( $(date +%s) + ${2:-480} ))
   mkdir -p /tmp/grid
-  while read -r model kinds lengths; do
-    name="$model-${kinds//,/-}-${lengths//,/-}"
-    python3 benchmarks/real_models.py --models "$model" --kinds ${kinds//,/ } \
-      --lengths ${lengths//,/ } --n 100 --jsonl "/tmp/grid/$name.jsonl" --until "${2:-480}" \
-      > "/tmp/grid/$name.log" 2>&1 &
-  done <<'SLICES'
-gemma3 passkey 8192,32768
-gemma3 multikey 8192,32768
-gemma3 qa 8192,32768
-gemma3 two_hop 8192,32768
-gemma3 passkey,multikey 4096,16384
-gemma3 qa,two_hop 4096,16384
+  slice() {
+    local name="$1-${2//,/-}-${3//,/-}" left=$(( end - $(date +%s) ))
+    [ "$left" -gt 0 ] || return 0
+    python3 benchmarks/real_models.py --models "$1" --kinds ${2//,/ } --lengths ${3//,/ } \
+      --n 100 --memory-limit 28 --jsonl "/tmp/grid/$name.jsonl" --until "$left" \
+      > "/tmp/grid/$name.log" 2>&1 || tail -n 3 "/tmp/grid/$name.log"
+  }
+  export -f slice
+  xargs -P 4 -L 1 bash -c 'slice "$@"' slice <<'SLICES'
+gemma3 passkey,multikey 8192,32768
+gemma3 qa,two_hop 8192,32768
+gemma3 passkey,multikey,qa 16384
+smollm2 passkey,multikey,two_hop,qa 1024
+gemma3 two_hop 16384
+gemma3 passkey,multikey,qa,two_hop 4096
+smollm2 passkey,multikey,two_hop,qa 2048
 gemma3 summary 8192
-smollm2 passkey,multikey 1024,2048
-smollm2 two_hop,qa,summary 1024,2048
+smollm2 summary 1024
 SLICES
-  wait
-  tail -n 2 /tmp/grid/*.log
   cat /tmp/grid/*.jsonl > "${OUT:-/tmp}/real-models-gpu.jsonl"
+  wc -l /tmp/grid/*.jsonl
   ;;
 *)
   echo "usage: $0 prepare|install|grid SECONDS" >&2
