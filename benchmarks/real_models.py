@@ -144,8 +144,8 @@ def methods(rows: list) -> list:
 
 def table(rows: list) -> str:
     """Per model, kind and length: dense accuracy, then each method's accuracy with the
-    share of dense it retains (over the cases that ran the method: files of other keeps
-    combine) and the needle coverage of its selections."""
+    share of dense it retains (over the cases that ran the method) and the needle
+    coverage of its selections."""
     names = methods(rows)
     lines = ["| model | kind | tokens | n | dense | " + " | ".join(names) + " |",
              "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " |"]
@@ -242,7 +242,12 @@ def main(argv=None) -> int:
             parser.error("--jsonl is needed to run the grid")
         run(args)
         args.table = [args.jsonl]
-    rows = [json.loads(line) for path in args.table for line in Path(path).read_text().splitlines()]
+    cases = {}  # a case in several files (runs of other keeps) is one case
+    for path in args.table:
+        for line in Path(path).read_text().splitlines():
+            r = json.loads(line)
+            cases.setdefault((r["model"], r["kind"], r["length"], r["seed"]), {}).update(r)
+    rows = list(cases.values())
     print(table(rows))
     print()
     for (model, name), share in retained(rows).items():
