@@ -33,7 +33,7 @@ from ..core.adapters import check_sparse_prefill_supported, sliding_window
 from ..core.prefill import chunk_cost, chunk_plan, prefill_weight
 from ..core.sparse_prefill import cover_sliding_window
 from .plan import Chunk, Restore
-from .policy import expected_kept, predict
+from .policy import RECHECK_GAIN, expected_kept, predict, shapes_gain
 from .prefix_cache import Hit, PrefixCache
 from .runtime import Runtime
 from .state import PREFILLING, SCORING, RequestState
@@ -86,9 +86,16 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches,
                          draft_hit.cut if draft_hit else 0, kept)
     state.report.predicted_dense_s = prediction.dense_s
     state.report.predicted_specprefill_s = prediction.specprefill_s
-    if not prediction.pays(config.specprefill_margin):
-        return False, f"policy: {prediction.describe()} (< {1 + config.specprefill_margin:.2f}x)"
-    return True, f"policy: {prediction.describe()}"
+    costs = runtime.costs
+    if prediction.pays(config.specprefill_margin):
+        costs.recheck.engaged()
+        return True, f"policy: {prediction.describe()}"
+    shapes = shapes_gain(costs, length, dense_hit.cut if dense_hit else 0,
+                         draft_hit.cut if draft_hit else 0, kept)
+    if shapes >= RECHECK_GAIN and costs.recheck.due():  # a wrong fit must not lock itself in
+        return True, (f"policy: re-check: {prediction.describe()}, but the shapes alone "
+                      f"predict {shapes:.2f}x")
+    return False, f"policy: {prediction.describe()} (< {1 + config.specprefill_margin:.2f}x)"
 
 
 def _set_feed(state: RequestState, runtime: Runtime, hit: Optional[Hit], cut: int,
