@@ -3,14 +3,16 @@
 
 Request bodies are pydantic models that refuse unknown fields, as OpenAI does. Fields
 of the API that change nothing on a local engine (`user`, `metadata`, `store`, ...)
-are accepted; fields whose effect is not served (audio, `prediction`, ...) are refused
-with a 400 naming them. `n` choices run as n requests decoding together in the engine's
-batch (row i seeded with `seed` + i); `logprobs` come from the engine (`TokenLogprob`:
-log_softmax of the model's logits, before processors, penalties and temperature). Extensions, sent in the body (the clients'
+are accepted; fields whose effect is not served (audio, `prediction`, ...) are
+refused with a 400 naming them. Extensions, sent in the body (the clients'
 `extra_body`): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `keep`,
 `specprefill`, `threshold`, `chat_template_kwargs`, `progress` (prefill progress
 events instead of bare keep-alives). Responses carry the engine's report under
 `specprefill` and its `timings`.
+
+`n` choices run as n requests decoding together in the engine's batch (row i seeded
+`seed` + i); `logprobs` are the engine's `TokenLogprob`s (log_softmax of the model's
+logits, before processors, penalties and temperature).
 """
 
 import json
@@ -24,10 +26,10 @@ from mlx_lm.sample_utils import make_logits_processors
 from pydantic import ConfigDict, Field
 from starlette.responses import JSONResponse
 
-from .chat import Call, Extensions, Loose, given_options, prepare, read_events, report
-from .errors import APIError, openai_body
 from specprefill_engine.engine.sampling import MAX_LOGPROBS
 
+from .chat import Call, Extensions, Loose, given_options, prepare, read_events, report
+from .errors import APIError, openai_body
 from .streaming import EventStream, merged, output_events, whole_results
 
 router = APIRouter()
@@ -188,8 +190,9 @@ def engine_options(body: Common, info, max_tokens: Optional[int]) -> dict:
     processors = _processors(body, info.vocab_size, options.get("max_tokens", 256))
     if processors:
         options["logits_processors"] = processors
-    if logprobs_asked(body) is not None:
-        options["logprobs"] = logprobs_asked(body)
+    logprobs = logprobs_asked(body)
+    if logprobs is not None:
+        options["logprobs"] = logprobs
     return options
 
 
@@ -209,7 +212,7 @@ def choice_rows(state, body: Common, call: Call, response_id: str) -> list:
 
 
 def _logprob(value: float) -> float:
-    return max(value, -9999.0)  # OpenAI's floor; JSON has no -Infinity
+    return max(value, -9999.0)  # OpenAI's value for "very unlikely"; JSON has no -Infinity
 
 
 def chat_logprobs(tokenizer, logprobs: Optional[list]) -> Optional[dict]:
@@ -396,19 +399,17 @@ def chat_choices(tokenizer):
 
         def choice(kind: str, value, logprobs=None) -> str:
             nonlocal called
-            lp = json.dumps(chat_logprobs(tokenizer, logprobs))
-
-            def delta(text: str, finish: str = "null") -> str:
-                return _delta(text, finish, index, lp)
-
+            finish = "null"
             if kind == "content" or (kind == "tool_call" and value.error is not None):
-                return delta('{"content":%s}' % json.dumps(value if kind == "content" else value.args))
-            if kind == "reasoning":
-                return delta('{"reasoning_content":%s}' % json.dumps(value))
-            if kind == "tool_call":
+                text = '{"content":%s}' % json.dumps(value if kind == "content" else value.args)
+            elif kind == "reasoning":
+                text = '{"reasoning_content":%s}' % json.dumps(value)
+            elif kind == "tool_call":
                 called = True
-                return delta(json.dumps({"tool_calls": [dict(_call_json(value), index=value.index)]}))
-            return delta("{}", json.dumps(_finish(value.finish_reason, called)))
+                text = json.dumps({"tool_calls": [dict(_call_json(value), index=value.index)]})
+            else:
+                text, finish = "{}", json.dumps(_finish(value.finish_reason, called))
+            return _delta(text, finish, index, json.dumps(chat_logprobs(tokenizer, logprobs)))
 
         return choice
 
