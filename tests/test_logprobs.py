@@ -18,6 +18,7 @@ from specprefill_engine.core.scoring import default_draft_step_size
 from specprefill_engine.core.sparse_prefill import cover_sliding_window
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.engine.runtime import default_step_size
+from models import ROPE_CASES, save_with_demo_tokenizer
 from specprefill_server import ServerConfig
 from test_server import KEY, Served
 
@@ -67,30 +68,29 @@ def test_dense_logprobs_are_log_softmax_of_the_models_logits_before_sampling(ser
     token's (sampled in the scheduler) included, and a stream carries the same ones."""
     engine, (model, _, tokenizer) = served.engine, demo_pair
     prompts = [prompt_ids(tokenizer, 40 + i, 200 + 40 * i) for i in range(3)]
-    ks = [4, None, 0]
+    ks, lengths = [0, None, 4], [6, 4, 12]  # the first rows leave: the batch compacts
 
     async def together():
         return await asyncio.gather(*(
-            engine.generate(ids, max_tokens=12, temperature=0.8, seed=i,
-                            repetition_penalty=1.3, logprobs=k, specprefill=False, ignore_eos=True)
-            for i, (ids, k) in enumerate(zip(prompts, ks))))
+            engine.generate(ids, max_tokens=n, temperature=0.8, seed=i, repetition_penalty=1.3,
+                            logprobs=k, specprefill=False, ignore_eos=True)
+            for i, (ids, k, n) in enumerate(zip(prompts, ks, lengths))))
 
     results = asyncio.run(together())
-    for ids, k, result in zip(prompts, ks, results):
-        assert result.usage.completion_tokens == 12
+    for ids, k, n, result in zip(prompts, ks, lengths, results):
+        assert result.usage.completion_tokens == n and result.specprefill.batched
         if k is None:
             assert result.logprobs is None
             continue
         check(result, dense_reference(model, ids, result.token_ids), k)
-    chunks = list(engine.stream_sync(prompts[0], max_tokens=12, temperature=0.8, seed=0,
+    chunks = list(engine.stream_sync(prompts[2], max_tokens=12, temperature=0.8, seed=2,
                                      repetition_penalty=1.3, logprobs=4, specprefill=False,
                                      ignore_eos=True))
     streamed = [entry for chunk in chunks for entry in chunk.logprobs]
     assert [c.token_ids for c in chunks[:-1]] == [[e.token] for e in streamed[: len(chunks) - 1]]
-    check(results[0], dense_reference(model, prompts[0], results[0].token_ids), 4)
-    assert [e.token for e in streamed] == results[0].token_ids
-    check(SimpleNamespace(logprobs=streamed, token_ids=results[0].token_ids),
-          dense_reference(model, prompts[0], results[0].token_ids), 4)
+    assert [e.token for e in streamed] == results[2].token_ids
+    check(SimpleNamespace(logprobs=streamed, token_ids=results[2].token_ids),
+          dense_reference(model, prompts[2], results[2].token_ids), 4)
     assert all(c.logprobs is None for c in engine.stream_sync(prompts[0], max_tokens=3))
 
 
@@ -118,6 +118,20 @@ def test_specprefill_logprobs_are_log_softmax_of_the_sparse_forwards_logits(serv
     finally:
         cleanup_rope(model)
     check(result, reference, 5)
+
+
+def test_a_model_that_cannot_batch_gives_the_same_logprobs(tmp_path):
+    """Its rows decode one by one (`SoloDecode`), each step's token read at once."""
+    from specprefill_engine import load_model
+
+    path = save_with_demo_tokenizer(ROPE_CASES["dynamic-ntk"], tmp_path / "dynamic")
+    model, tokenizer = load_model(str(path))
+    ids = tokenizer.encode("def parse(text):")
+    with Engine(model=str(path), draft=None) as engine:
+        assert not engine.info.batching
+        result = engine.generate_sync(ids, max_tokens=8, logprobs=3, temperature=0.7, seed=1,
+                                      ignore_eos=True)
+    check(result, dense_reference(model, ids, result.token_ids), 3)
 
 
 def test_engine_refuses_bad_logprobs(served):
