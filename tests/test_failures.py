@@ -83,10 +83,10 @@ async def test_a_failure_at_any_stage_fails_only_its_request(engine, alone, stag
     if stage == "output":
         accept = OutputProcessor.accept
 
-        def faulty(self, token):
+        def faulty(self, token, logprob=None):
             if self.request_id == VICTIM and len(self.tokens) >= 2:
                 raise Fault("injected at output")
-            return accept(self, token)
+            return accept(self, token, logprob)
         monkeypatch.setattr(OutputProcessor, "accept", faulty)
     try:
         outcomes = await asyncio.wait_for(asyncio.gather(

@@ -18,6 +18,7 @@ logits of another shape, fails its own row only. With a sharded target (`group`)
 (`sampling=False`) sample nothing and read nothing.
 """
 
+from itertools import repeat
 from types import SimpleNamespace
 from typing import Optional
 
@@ -30,7 +31,7 @@ from mlx_lm.models.cache import (
 from ..core import positioned_rope
 from ..core.adapters import takes_position_ids
 from ..core.prefill import logits_of
-from .sampling import SamplingParams
+from .sampling import SamplingParams, read_logprobs, token_logprobs
 from .state import RequestState
 
 POSITIONED_CACHES = (BatchKVCache, BatchRotatingKVCache)
@@ -52,10 +53,14 @@ def _processed(row: RequestState, context: mx.array, logits: mx.array) -> mx.arr
 
 
 def sample_rows(rows: list, logits: mx.array, contexts: Optional[list] = None,
-                failed: Optional[dict] = None) -> mx.array:
+                failed: Optional[dict] = None) -> tuple[mx.array, Optional[tuple]]:
     """(B, vocab) logits -> (B,) tokens: each row's processors (seeing `contexts[i]`, its
     tokens so far), then its sampler. A row whose processors raise is sampled from its
-    raw logits and recorded in `failed` (row -> error); the others are unaffected."""
+    raw logits and recorded in `failed` (row -> error); the others are unaffected.
+    Second, when a row asks for logprobs, `token_logprobs` of the raw logits (lazy, in
+    the sample's graph; for every row, at the largest k asked), else None."""
+    ks = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+    raw = logits
     if any(row.processors for row in rows):
         parts = []
         for index, row in enumerate(rows):
@@ -73,10 +78,16 @@ def sample_rows(rows: list, logits: mx.array, contexts: Optional[list] = None,
         logits = mx.concatenate(parts, axis=0)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if all(row.params.greedy for row in rows):
-        return mx.argmax(logprobs, axis=-1)
-    return mx.concatenate(
-        [row.sampler(logprobs[index : index + 1]) for index, row in enumerate(rows)], axis=0
-    )
+        tokens = mx.argmax(logprobs, axis=-1)
+    else:
+        tokens = mx.concatenate(
+            [row.sampler(logprobs[index : index + 1]) for index, row in enumerate(rows)], axis=0)
+    return tokens, (token_logprobs(raw, tokens, max(ks)) if ks else None)
+
+
+def asked(rows: list) -> list:
+    """Each row's logprobs k (None: not asked, or no row)."""
+    return [None if row is None else row.params.logprobs for row in rows]
 
 
 def as_batch_of_one(cache: list, shift: int) -> list:
@@ -161,6 +172,7 @@ class DecodeBatch:
         self.contexts: list = []  # per slot: its tokens for processors (TokenBuffer) or None
         self.cache: Optional[list] = None
         self.inputs: Optional[mx.array] = None  # (B,) next tokens to feed, maybe not evaluated
+        self.logprobs: Optional[tuple] = None  # `inputs`' token_logprobs, when a row asks
         self._known: list[bool] = []  # whether a slot's input token was already handed out
         self.plain = False  # one row on its own plain cache
 
@@ -180,7 +192,8 @@ class DecodeBatch:
         generate_step does (a batch cache's mask and per-row offsets cost ~20% per
         token there); the batch cache takes over when a second row joins."""
         layers = [_saved(layer) for layer in self.cache or []]
-        before = (self.slots, self.contexts, self._known, self.cache, self.inputs, self.plain)
+        before = (self.slots, self.contexts, self._known, self.cache, self.inputs, self.plain,
+                  self.logprobs)
         try:
             self._compact()
             token = mx.array([first_token], dtype=mx.uint32)
@@ -199,7 +212,8 @@ class DecodeBatch:
         except BaseException:
             for restore in layers:
                 restore()
-            self.slots, self.contexts, self._known, self.cache, self.inputs, self.plain = before
+            (self.slots, self.contexts, self._known, self.cache, self.inputs, self.plain,
+             self.logprobs) = before
             raise
         self.slots = self.slots + [row]
         self.contexts = self.contexts + [TokenBuffer() if row.processors else None]
@@ -207,8 +221,8 @@ class DecodeBatch:
 
     def step(self) -> tuple[list, dict]:
         """Queue one forward for every slot; return the tokens sampled by the previous
-        step, (row, token) for each row, now that they are needed, and the rows whose
-        processors failed in this one (row -> error)."""
+        step, (row, token, TokenLogprob or None) for each row, now that they are needed,
+        and the rows whose processors failed in this one (row -> error)."""
         inputs = self.inputs
         logits = logits_of(self.model(inputs[:, None], cache=self.cache))[:, -1, :]
         if not self.sampling:
@@ -222,20 +236,26 @@ class DecodeBatch:
             contexts = [None if buffer is None else buffer.update_and_fetch(inputs[i : i + 1])
                         for i, buffer in enumerate(self.contexts)]
         failed: dict = {}
-        self.inputs = sample_rows(rows, logits, contexts, failed)
+        self.inputs, logprobs = sample_rows(rows, logits, contexts, failed)
         if self.group is not None:
             self.inputs = broadcast_tokens(self.inputs, self.group)
-        mx.async_eval(self.inputs, [c for c in contexts or [] if c is not None])
-        produced = self._read(inputs)
+        mx.async_eval(self.inputs, [c for c in contexts or [] if c is not None], logprobs or ())
+        produced = self._read(inputs, self.logprobs)
+        self.logprobs = logprobs
         self._known = [False] * len(self.slots)
         return produced, failed
 
-    def _read(self, inputs: mx.array) -> list:
+    def _read(self, inputs: mx.array, logprobs: Optional[tuple]) -> list:
         produced = []
-        for row, known, token in zip(self.slots, self._known, inputs.tolist()):
+        tokens = inputs.tolist()
+        read = repeat(None)
+        if logprobs is not None:
+            ks = [None if known else k for known, k in zip(self._known, asked(self.slots))]
+            read = read_logprobs(logprobs, tokens, ks)
+        for row, known, token, logprob in zip(self.slots, self._known, tokens, read):
             if row is not None and not known:
                 row.generated.append(token)
-                produced.append((row, token))
+                produced.append((row, token, logprob))
         return produced
 
     def extract(self, row, count: int) -> list:
@@ -263,6 +283,7 @@ class DecodeBatch:
         self.contexts = [None if row is None else c for row, c in zip(self.slots, self.contexts)]
         if not self.rows:
             self.slots, self.contexts, self._known, self.cache, self.inputs = [], [], [], None, None
+            self.logprobs = None
         elif 2 * self.slots.count(None) >= len(self.slots):
             self._compact()
 
@@ -274,12 +295,14 @@ class DecodeBatch:
         self.contexts = [self.contexts[i] for i in keep]
         self._known = [self._known[i] for i in keep]
         if not keep:
-            self.cache = self.inputs = None
+            self.cache = self.inputs = self.logprobs = None
             return
         indices = mx.array(keep, dtype=mx.int32)
         for layer in self.cache:
             layer.filter(indices)
         self.inputs = self.inputs[indices]
+        if self.logprobs is not None:
+            self.logprobs = tuple(a[indices] for a in self.logprobs)
 
 
 class SoloDecode:
@@ -307,9 +330,11 @@ class SoloDecode:
             self.token = broadcast_tokens(mx.argmax(logits, axis=-1) * 0, self.group).item()
             return [], {}
         failed: dict = {}
-        token = sample_rows(self.rows, logits, None, failed)
+        token, logprobs = sample_rows(self.rows, logits, None, failed)
         if self.group is not None:
             token = broadcast_tokens(token, self.group)
+        mx.eval(token, logprobs or ())
         self.token = token.item()
         self.row.generated.append(self.token)
-        return [(self.row, self.token)], failed
+        logprob = read_logprobs(logprobs, [self.token], asked(self.rows))[0]
+        return [(self.row, self.token, logprob)], failed

@@ -371,7 +371,9 @@ class Engine:
         by `chat.render_chat`, or token ids. Keyword arguments: `chat` (True: a string
         prompt is one user message, sent through the chat template), the SamplingParams
         fields (max_tokens, temperature, top_p, top_k (below the vocabulary size),
-        min_p, repetition_penalty, seed, stop, stop_token_ids), `specprefill`
+        min_p, repetition_penalty, seed, stop, stop_token_ids, logprobs: k in [0, 20] puts
+        each token's TokenLogprob, with the k likeliest alternatives, in `Result.logprobs`
+        and the chunks' `logprobs`), `specprefill`
         (None: engine policy), `keep`, `threshold`, `tools` and `chat_template_kwargs`
         (passed to the chat template), `response_format` (constrained decoding, see
         `constrained.py`), `logits_processors` (callables `(generated, logits) -> logits`,

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TurnOutcome:
-    tokens: list = field(default_factory=list)  # (row, token) read back by the decode step
+    tokens: list = field(default_factory=list)  # (row, token, TokenLogprob or None) decoded
     logits: dict = field(default_factory=dict)  # handle -> (1, vocab) last prompt logits
     failed: dict = field(default_factory=dict)  # handle -> error
     stored: dict = field(default_factory=dict)  # handle -> the prefix-cache key it is kept as

@@ -51,6 +51,7 @@ from .prefill import (
 )
 from .prefix_cache import PrefixCache, prefix_cache_for
 from .results import Progress
+from .sampling import read_logprobs
 from .runtime import EngineInfo, Runtime
 from .state import DECODING, ENDED, SCORING, RequestState
 
@@ -410,11 +411,11 @@ class Scheduler:
         self._joining = []
         ended = []
         with one_delivery():  # the step's tokens reach each caller loop in one hand-over
-            for row, token in outcome.tokens:
+            for row, token, logprob in outcome.tokens:
                 if row.finished or row.handle in failed:
                     continue
                 try:
-                    reason = row.output.accept(token)
+                    reason = row.output.accept(token, logprob)
                 except Exception as error:
                     self._end(row, error=error)
                     continue
@@ -441,9 +442,12 @@ class Scheduler:
         try:
             state.shift = decode_shift(runtime.model, self.executor.cache_of(state.handle),
                                        int(state.tokens.size), 0)
-            token = sample_rows([state], logits).item()
+            tokens, logprobs = sample_rows([state], logits)
+            mx.eval(tokens, logprobs or ())  # one sync for the token and its logprobs
+            token = tokens.item()
             state.generated.append(token)
-            reason = state.output.accept(token)
+            logprob = read_logprobs(logprobs, [token], [state.params.logprobs])[0]
+            reason = state.output.accept(token, logprob)
         except Exception as error:
             self._end(state, error=error)
             return
