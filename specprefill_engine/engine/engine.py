@@ -250,11 +250,11 @@ class Engine:
     @property
     def active_request_ids(self) -> list:
         """Ids of the requests submitted and not yet finished (queued ones included)."""
-        return list(self._scheduler.requests)
+        return self._scheduler.active_ids()
 
     def abort(self, request_id: str) -> bool:
         """Ask the worker to stop a request; it ends with finish_reason 'abort'."""
-        state = self._scheduler.requests.get(request_id)
+        state = self._scheduler.find(request_id)
         if state is not None:
             state.cancelled.set()
         return state is not None
@@ -321,11 +321,13 @@ class Engine:
             start for start in (*rendered.message_starts, rendered.generation_start)
             if start is not None and 0 < start < tokens.size}))
         return RequestState(
-            request_id, tokens, params, emit, specprefill,
-            self.config.keep if keep is None else keep,
-            self.config.threshold if threshold is None else threshold,
-            stream, on_progress is not None, constraint, logits_processors, cache_prompt,
-            max_tokens, protected, warnings, boundaries=boundaries, output=output,
+            request_id, tokens, params, emit,
+            keep=self.config.keep if keep is None else keep,
+            threshold=self.config.threshold if threshold is None else threshold,
+            max_tokens=max_tokens, output=output, specprefill=specprefill, stream=stream,
+            progress=on_progress is not None, constraint=constraint,
+            logits_processors=logits_processors, cache_prompt=cache_prompt,
+            protected=protected, warnings=warnings, boundaries=boundaries,
         )
 
     @staticmethod

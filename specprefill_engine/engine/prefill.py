@@ -2,9 +2,10 @@
 decision, draft scoring, selection, and what the target must compute.
 
 Each decision ends in fields of the request's state, which the scheduler turns into
-plan chunks: `restore` (a prefix entry and how many of its entries), `feed` (the
-tokens to compute after them), `feed_positions` (their true positions; None: dense),
-`chunk_ends`. Scoring runs on the draft alone, one unit per scheduler turn.
+plan operations: `scoring` (the draft's units, one per turn: its prompt chunks, the
+capturing chunk, the lookahead steps, the reduction) and `prefill` (a `Feed`: a prefix
+entry to restore and how many of its entries, the tokens to compute after them at
+their true positions, in chunks).
 
 Across an agent's turns (see docs/how-it-works.md, "Agent turns"):
 - the draft's prompt KV is kept, so scoring a grown prompt prefills only its new
@@ -24,19 +25,19 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
-import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import UnsupportedModelError, select_chunks
 from ..core.adapters import check_sparse_prefill_supported, sliding_window
 from ..core.prefill import chunk_cost, chunk_plan, prefill_weight
+from ..core.scoring import check_score_arguments, score_plan
 from ..core.sparse_prefill import cover_sliding_window
-from .plan import Chunk, Restore
+from .plan import Feed, Restore, ScoreUnit
 from .policy import RECHECK_GAIN, expected_kept, predict, shapes_gain
-from .prefix_cache import Hit, PrefixCache
+from .prefix_cache import Hit, PrefixCache, checkpointed
 from .runtime import Runtime
-from .state import PREFILLING, SCORING, RequestState
+from .state import RequestState, Scoring, Status
 
 logger = logging.getLogger(__name__)
 
@@ -99,19 +100,20 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches,
 
 
 def _set_feed(state: RequestState, runtime: Runtime, hit: Optional[Hit], cut: int,
-              feed: np.ndarray, positions: Optional[np.ndarray]) -> None:
-    """What the target computes: `feed` after `hit`'s entries before position `cut`."""
+              tokens: np.ndarray, positions: Optional[np.ndarray]) -> None:
+    """What the target computes: `tokens` after `hit`'s entries before position `cut`."""
     used = hit is not None and cut > 0
-    state.restore = Restore(state.handle, hit.entry.key if used else -1, cut if used else 0)
-    state.cached = hit.entry.count_before(cut) if used else 0
-    state.feed, state.feed_positions, state.fed = feed, positions, 0
+    restore = Restore(state.handle, hit.entry.key if used else -1, cut if used else 0)
+    cached = hit.entry.count_before(cut) if used else 0
     weight = prefill_weight(runtime.model)
-    state.chunk_ends = chunk_plan(int(feed.size), state.cached, runtime.config.step_size, weight)
+    chunk_ends = chunk_plan(int(tokens.size), cached, runtime.config.step_size, weight)
+    checkpoints = {}
     if runtime.checkpointed:  # a cache that cannot be cut: a checkpoint at each boundary
-        state.chunk_ends, state.checkpoints = split_at_boundaries(
-            state.chunk_ends, state.boundaries, cut, feed.size, positions)
-    state.usage.cached_tokens = state.cached
-    state.status = PREFILLING
+        chunk_ends, checkpoints = split_at_boundaries(
+            chunk_ends, state.boundaries, cut, tokens.size, positions)
+    state.prefill = Feed(restore, tokens, positions, cached, chunk_ends, checkpoints)
+    state.usage.cached_tokens = cached
+    state.status = Status.PREFILLING
 
 
 def plan_dense(state: RequestState, runtime: Runtime, hit: Optional[Hit]) -> None:
@@ -125,43 +127,45 @@ def plan_dense(state: RequestState, runtime: Runtime, hit: Optional[Hit]) -> Non
 
 
 def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixCache]) -> None:
-    """Score the whole prompt, reusing the draft's prefix cache; one unit per turn."""
+    """Score the whole prompt, reusing the draft's prefix cache: its units are the draft's
+    prompt chunks from what the cache lacks, the chunk that captures the window's
+    queries, the lookahead steps and the reduction, one per turn (`scoring_units`)."""
     check_sparse_prefill_supported(runtime.model)  # before spending the draft's time
+    scorer, length = runtime.scorer, int(state.tokens.size)
+    check_score_arguments(length, scorer.n_lookahead, scorer.n_window, scorer.step_size)
     hit = draft.find(state.tokens) if draft is not None else None
     cut = 0
     if hit is not None:  # the captured window must be fed anew
-        cut = hit.entry.restorable(min(hit.cut, state.tokens.size - runtime.scorer.n_window))
+        cut = hit.entry.restorable(min(hit.cut, length - scorer.n_window))
         draft.touch(hit.entry.key)
-    cache, _ = PrefixCache.restore(runtime.scorer.model, hit, cut)
+    cut, capture_from = score_plan(length, cut, scorer.step_size, scorer.n_window,
+                                   not checkpointed(scorer.model))
+    restore = Restore(state.handle, hit.entry.key if hit is not None and cut else -1, cut)
+    chunk_ends = chunk_plan(capture_from - cut, cut, scorer.step_size, 0.0)
+    feed = Feed(restore, state.tokens[cut:capture_from], cached=cut, chunk_ends=chunk_ends)
     state.usage.draft_cached_tokens = cut
-    state.scoring = runtime.scorer.score_steps(mx.array(state.tokens), cache)
-    state.scoring_cache = cache
-    state.status = SCORING
+    state.scoring = Scoring(feed, state.tokens[capture_from:], scorer.n_lookahead - 1)
+    state.status = Status.SCORING
 
 
-def score_unit(state: RequestState, runtime: Runtime,
-               draft: Optional[PrefixCache]) -> Optional[np.ndarray]:
-    """One unit of the draft's scoring; the importance once it is done. `state.scored`:
-    prompt tokens through the draft so far, of all (its units are fixed-size chunks)."""
-    done, total = next(state.scoring)
-    length = int(state.tokens.size)
-    tokens = state.usage.draft_cached_tokens + done * runtime.config.draft_step_size
-    state.scored = (length if done == total else min(tokens, length - 1), length)
-    if done < total:
-        return None
-    try:
-        next(state.scoring)  # the last unit is done: take the importance it returns
-    except StopIteration as finished:
-        importance = np.array(finished.value, dtype=np.float32)
-    else:
-        raise RuntimeError("scoring went on past its last unit")
-    state.scoring = None
-    cache, state.scoring_cache = state.scoring_cache, None
-    if draft is not None:  # the draft's cache is rank 0's alone: its budget is kept here
-        draft.store(state.tokens, cache)
-        for key in draft.evictions():
-            draft.drop(key)
-    return importance
+def scoring_units(state: RequestState, store: bool) -> list:
+    """The draft's work for this turn: the next chunks up to a pause, else the capturing
+    chunk, else a lookahead step, else the reduction (`store`: keep the draft's cache)."""
+    scoring, handle, length = state.scoring, state.handle, int(state.tokens.size)
+    feed = scoring.feed
+    first = feed.fed == 0 and not scoring.captured
+    restore = feed.restore if first else None
+    if not feed.done:
+        units = [ScoreUnit(handle, length, chunk.tokens) for chunk in feed.unit()]
+        units[0].restore = restore
+        return units
+    if not scoring.captured:
+        scoring.captured = True
+        return [ScoreUnit(handle, length, scoring.capture, restore, captures=True)]
+    if scoring.lookahead:
+        scoring.lookahead -= 1
+        return [ScoreUnit(handle, length, lookahead=True)]
+    return [ScoreUnit(handle, length, state.tokens, reduce=True, store=store)]
 
 
 def _coverage(importance: np.ndarray, wanted: np.ndarray, held: np.ndarray,
@@ -254,7 +258,7 @@ def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixCach
     report.engaged = False
     report.reason = f"fell back to dense prefill: {error}"
     report.kept_tokens = int(state.tokens.size)
-    state.scoring = state.scoring_cache = None
+    state.scoring = None
     plan_dense(state, runtime, find_dense(state, caches.target))
 
 
@@ -290,25 +294,6 @@ def split_at_boundaries(chunk_ends: list, boundaries: tuple, cut: int, size: int
     for end in checkpoints:
         ends.setdefault(end, False)
     return sorted(ends.items()), checkpoints
-
-
-def unit_chunks(handle: int, feed: np.ndarray, positions: Optional[np.ndarray], fed: int,
-                chunk_ends: list, checkpoint: int = 0, checkpoints: Optional[dict] = None
-                ) -> tuple[list, int]:
-    """One unit of prefill work from `fed` on: the chunks up to the first end a scheduler
-    turn may follow (or the feed's end, whose chunk is `last` and carries `checkpoint`;
-    `checkpoints` names the others that do), and how far the feed is then."""
-    chunks, checkpoints = [], checkpoints or {}
-    for end, pause in chunk_ends:
-        if end <= fed:
-            continue
-        last = end == feed.size
-        chunks.append(Chunk(handle, feed[fed:end], None if positions is None else positions[fed:end],
-                            last=last, checkpoint=checkpoint if last else checkpoints.get(end, 0)))
-        fed = end
-        if pause or last:
-            break
-    return chunks, fed
 
 
 def short_prefill_share(state: RequestState, runtime: Runtime) -> Optional[float]:

@@ -118,6 +118,69 @@ def make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     return sample
 
 
+
+@dataclass(eq=False)
+class RowSampler:
+    """How one row is sampled on rank 0: the request's settings, its sampler (with its own
+    PRNG key) and its logits processors (each `(generated tokens, logits) -> logits`)."""
+
+    params: SamplingParams
+    sampler: Callable[[mx.array], mx.array]
+    processors: list
+
+
+def row_sampler(params: SamplingParams, prompt_tail: Sequence[int],
+                processors: Sequence[LogitsProcessor] = ()) -> RowSampler:
+    """A request's sampler: the repetition penalty (seeing the prompt's last tokens),
+    then the caller's processors in order."""
+    return RowSampler(params, make_sampler(params),
+                      [*make_processors(params, prompt_tail), *processors])
+
+
+GREEDY = RowSampler(SamplingParams(), lambda logprobs: mx.argmax(logprobs, axis=-1), [])
+
+
+def _processed(row: RowSampler, context: mx.array, logits: mx.array) -> mx.array:
+    shape = logits.shape
+    for processor in row.processors:
+        logits = processor(context, logits)
+    if logits.shape != shape:
+        raise ValueError(f"a logits processor returned shape {logits.shape}, not {shape}")
+    return logits
+
+
+def sample_rows(rows: list, logits: mx.array, contexts: list,
+                failed: Optional[dict] = None) -> tuple[mx.array, Optional[tuple]]:
+    """(B, vocab) logits -> (B,) tokens: each row's processors (seeing `contexts[i]`, its
+    generated tokens so far), then its sampler. A row whose processors raise is sampled
+    from its raw logits and recorded in `failed` (index -> error); the others are
+    unaffected. Second, when a row asks for logprobs, `token_logprobs` of the raw logits
+    (lazy, in the sample's graph; for every row, at the largest k asked), else None."""
+    ks = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+    raw = logits
+    if any(row.processors for row in rows):
+        parts = []
+        for index, row in enumerate(rows):
+            row_logits = logits[index : index + 1]
+            if row.processors:
+                try:
+                    row_logits = _processed(row, contexts[index], row_logits)
+                except Exception as error:  # this row fails; the others go on
+                    if failed is None:
+                        raise
+                    failed[index] = error
+                    row_logits = logits[index : index + 1]
+            parts.append(row_logits)
+        logits = mx.concatenate(parts, axis=0)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if all(row.params.greedy for row in rows):
+        tokens = mx.argmax(logprobs, axis=-1)
+    else:
+        tokens = mx.concatenate(
+            [row.sampler(logprobs[index : index + 1]) for index, row in enumerate(rows)], axis=0)
+    return tokens, (token_logprobs(raw, tokens, max(ks)) if ks else None)
+
+
 def token_logprobs(logits: mx.array, tokens: mx.array, k: int) -> tuple:
     """Lazy log_softmax of the model's raw logits (before processors, penalties and
     temperature, as vLLM reports them): (B,) the chosen tokens', then for k > 0 (B, k)
