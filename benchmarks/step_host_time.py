@@ -62,7 +62,7 @@ def batch_generator(model, batch: list, new_tokens: int) -> dict:
 
 
 async def engine_stream(engine, batch: list, new_tokens: int) -> dict:
-    worker, me = engine._scheduler.thread.ident, threading.get_ident()
+    worker, me = engine._worker.thread.ident, threading.get_ident()
     counts, marks = [0] * len(batch), []
 
     async def one(index, ids):
@@ -79,7 +79,7 @@ async def engine_stream(engine, batch: list, new_tokens: int) -> dict:
 
 async def engine_generate(engine, batch: list, new_tokens: int) -> dict:
     """No per-token events: end to end only (prefill included), and the worker's CPU."""
-    worker, me = engine._scheduler.thread.ident, threading.get_ident()
+    worker, me = engine._worker.thread.ident, threading.get_ident()
     started, worker_cpu, loop_cpu = time.perf_counter(), thread_cpu(worker), thread_cpu(me)
     await asyncio.gather(*(engine.generate(ids, max_tokens=new_tokens, ignore_eos=True,
                                            specprefill=False, cache_prompt=False)

@@ -48,7 +48,7 @@ def alone(engine) -> list:
 
 
 def _handle_is_victim(engine, handle: int) -> bool:
-    state = engine._scheduler.find(VICTIM)
+    state = engine._worker.find(VICTIM)
     return state is not None and state.handle == handle
 
 

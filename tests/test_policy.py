@@ -12,7 +12,7 @@ import pytest
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.engine.policy import CostModel, Shape, predict
-from specprefill_engine.loading import DEMO_TARGET, cache_dir
+from specprefill_engine.loading import DEMO_TARGET
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -75,7 +75,7 @@ def test_the_first_request_runs_no_prefill_of_its_own_beyond_a_later_ones(demo_p
     _, _, tokenizer = demo_pair
     messages = make_case(tokenizer, 33, "passkey", 2000).messages
     with Engine() as engine:
-        model = engine._scheduler.runtime.model
+        model = engine._worker.runtime.model
         calls = []
         forward = type(model).__call__
 

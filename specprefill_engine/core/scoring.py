@@ -147,9 +147,9 @@ def _masked_layer_importance(query, keys, scale, pool_kernel, n_window, prompt_l
 
 
 def default_draft_step_size() -> int:
-    """Draft prefill chunk for scoring on this device: large on a GPU, where a chunk
-    of 2048 tokens leaves the 0.6B-class draft bound by per-call overhead (8192 measured
-    on an H200: docs/benchmarks.md); on a CPU small, so other requests interleave."""
+    """Draft prefill chunk for scoring on this device: large on a GPU, where smaller
+    chunks leave a 0.6B-class draft bound by per-call overhead (docs/benchmarks.md); on
+    a CPU small, so other requests interleave."""
     return 128 if mx.default_device() == mx.cpu else 8192
 
 

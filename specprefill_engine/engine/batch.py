@@ -143,7 +143,7 @@ class DecodeBatch:
         batch is as it was and the error is raised for this row alone.
 
         A lone row at its cache's own positions decodes on its plain cache, as mlx-lm's
-        generate_step does (a batch cache's mask and per-row offsets cost ~20% per
+        generate_step does (a batch cache's mask and per-row offsets cost time per
         token there); the batch cache takes over when a second row joins."""
         layers = [_saved(layer) for layer in self.cache or []]
         before = (self.slots, self.samplers, self.contexts, self._known, self.cache,
@@ -214,22 +214,12 @@ class DecodeBatch:
 
     def extract(self, handle: int, count: int) -> list:
         """A row's first `count` cache entries as plain per-layer caches (its left
-        padding removed): views on a lone row's own cache, else one copy each."""
+        padding removed, mlx-lm's `extract`): views on a lone row's own cache, else one
+        copy each."""
         if self.plain:
             return cut_cache(self.cache, count)
         index = self.slots.index(handle)
-        extracted = []
-        for layer in self.cache:
-            if isinstance(layer, BatchKVCache):
-                padding = int(layer.left_padding[index].item())
-                part = KVCache()
-                part.keys = mx.contiguous(layer.keys[index : index + 1, :, padding : padding + count])
-                part.values = mx.contiguous(layer.values[index : index + 1, :, padding : padding + count])
-                part.offset = count
-                extracted.append(part)
-            else:
-                extracted.append(layer.extract(index))
-        return extracted
+        return cut_cache([layer.extract(index) for layer in self.cache], count)
 
     def remove(self, leaving: set) -> None:
         """Rows leave (finished or aborted); their cache rows go at the next compaction."""

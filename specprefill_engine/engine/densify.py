@@ -7,7 +7,7 @@ turn either reuses that sparse view (behind the coverage gate) or selects anew. 
 prefill units while nothing else runs, and keeps it as a dense prefix-cache entry; the
 next turn continues from a dense prefix and answers as dense would.
 
-A job takes one unit per scheduler turn, only in turns with no request waiting,
+A job takes one unit per turn, only in turns with no request waiting,
 prefilling, joining or decoding, so an arriving request waits at most one unit; what a
 job has computed is stored after each unit (each store absorbs the one before), so a
 paused job is usable as it stands. A finished job drops the sparse entry it replaces.

@@ -2,7 +2,7 @@
 
 Under `mlx.launch` every rank runs the same program. Each loads its shard of the
 target (mlx-lm's `Model.shard`, tensor parallel); rank 0 alone loads the draft and
-owns the tokenizer, the scheduler and the requests. Every forward of the sharded
+owns the tokenizer, the worker and the requests. Every forward of the sharded
 target holds collectives, so every rank must run the same target work in the same
 order: rank 0 broadcasts each turn's plan (`plan.py`) and every rank runs it with the
 same executor (`executor.py`). The other ranks keep no state of their own beyond what

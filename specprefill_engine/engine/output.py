@@ -1,7 +1,7 @@
 """Output processing, apart from the model work: detokenize, apply stop rules, and
 turn a request's tokens into stream chunks and its final Result.
 
-The scheduler hands each sampled token to `OutputProcessor.accept`; nothing here
+The worker hands each sampled token to `OutputProcessor.accept`; nothing here
 touches MLX.
 """
 

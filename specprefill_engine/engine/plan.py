@@ -1,6 +1,6 @@
 """A turn of the worker as data: what the models compute in it.
 
-The scheduler (rank 0) decides each turn's `TurnPlan` from the requests' states; the
+The worker (rank 0) decides each turn's `TurnPlan` from the requests' states; the
 executor (`executor.py`) runs it, the same on one process or on every rank of a sharded
 target, which receives its target work from rank 0 (`encode_plan` / `decode_plan`,
 broadcast by `distributed.py`). The draft's scoring units are rank 0's alone and do not

@@ -129,7 +129,7 @@ async def faults(engine) -> dict:
         victim, fired, handles = f"victim-{stage}", [], []  # handles: seen at its prefill
 
         def is_victim(handle, victim=victim):
-            state = engine._scheduler.find(victim)
+            state = engine._worker.find(victim)
             return state is not None and state.handle == handle
 
         def fault(handle, stage=stage, fired=fired, handles=handles):

@@ -46,7 +46,7 @@ from .delivery import one_delivery
 from .distributed import Watchdog
 from .executor import Executor, TurnOutcome
 from .plan import Join, Store, TurnPlan
-from .prefill import (
+from .planner import (
     PrefixCaches, begin, caches_for, fall_back_to_dense, plan_sparse, scoring_units,
     short_prefill_share,
 )
@@ -78,7 +78,7 @@ def make_prefix_caches(runtime: Runtime) -> PrefixCaches:
     return PrefixCaches(prefix_cache_for(runtime.model, config.prefix_cache_bytes), draft)
 
 
-class Scheduler:
+class Worker:
     def __init__(self, load: Callable[[], Runtime], name: str = "specprefill-worker"):
         self._load = load
         self._lock = threading.Lock()
@@ -500,8 +500,8 @@ class Scheduler:
         in the next plan."""
         if state.finished:
             return
-        keep = error is None and reason in ("stop", "length") and state.cache_prompt
-        state.stored_reply = self._fed(state) if keep else None
+        store = error is None and reason in ("stop", "length") and state.cache_prompt
+        state.stored_reply = self._fed(state) if store else None
         admitted = state.status is not Status.WAITING
         state.scoring = None
         self._reserved -= state.reserved_bytes

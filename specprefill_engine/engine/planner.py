@@ -1,7 +1,7 @@
-"""A request's prefill decisions, on rank 0: prefix-cache lookup, the SpecPrefill
+"""The planner: a request's prefill decisions, on rank 0: prefix-cache lookup, the SpecPrefill
 decision, draft scoring, selection, and what the target must compute.
 
-Each decision ends in fields of the request's state, which the scheduler turns into
+Each decision ends in fields of the request's state, which the worker turns into
 plan operations: `scoring` (the draft's units, one per turn: its prompt chunks, the
 capturing chunk, the lookahead steps, the reduction) and `prefill` (a `Feed`: a prefix
 entry to restore and how many of its entries, the tokens to compute after them at
@@ -282,7 +282,7 @@ def split_at_boundaries(chunk_ends: list, boundaries: tuple, cut: int, size: int
                         positions: Optional[np.ndarray]) -> tuple[list, dict]:
     """Chunk ends that also stop at each chat boundary past `cut` (where every entry
     before it is fed and none after), and the prompt length each such end stands for,
-    so the executor can snapshot the cache there; no scheduler turn is added."""
+    so the executor can snapshot the cache there; no turn is added."""
     checkpoints = {}
     for boundary in boundaries:
         if boundary <= cut:
