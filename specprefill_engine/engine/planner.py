@@ -40,6 +40,7 @@ from .runtime import Runtime
 from .state import RequestState, Scoring, Status
 
 logger = logging.getLogger(__name__)
+REPLY_TOKENS = 512  # the most reply tokens a reuse decision counts decode for
 
 
 @dataclass
@@ -184,11 +185,33 @@ def _coverage(importance: np.ndarray, wanted: np.ndarray, held: np.ndarray,
     return float(importance[np.intersect1d(top, held)].sum()) / total
 
 
+def _runs(indices: np.ndarray) -> int:
+    """Contiguous runs in sorted token indices (the passages they make)."""
+    return int(indices.size and 1 + np.count_nonzero(np.diff(indices) > 1))
+
+
+def _repair_pays(runtime: Runtime, state: RequestState, repair: tuple, fresh: tuple) -> bool:
+    """Repairing a stored view against selecting anew, each (tokens to prefill, entries
+    cached before them, entries decode then attends over), by the cost model: their
+    prefill, plus decode over the entries each leaves for the reply."""
+    costs, reply = runtime.costs, min(state.max_tokens, REPLY_TOKENS)
+
+    def seconds(feed: int, cached: int, kept: int) -> float:
+        return costs.predict("target", feed, cached) + reply * (
+            costs.predict("target", 1, kept) - costs.predict("target", 1, 0))
+
+    return seconds(*repair) <= seconds(*fresh)
+
+
 def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
                 importance: np.ndarray) -> None:
     """Selection over the whole prompt, then what of the prefix cache can be reused. A
     dense prefix already cached is kept whole (its KV costs nothing) and `keep` applies
-    to the rest."""
+    to the rest. A stored sparse view of the shared prefix is repaired: the passages the
+    new selection wants and the view lacks are fed at their true positions, then the new
+    tokens, unless selecting anew is predicted cheaper (the view cannot take passages out
+    of order on hybrid and sliding-window caches: there it is reused behind the coverage
+    gate, or the prompt selected anew)."""
     config, report, tokens = runtime.config, state.report, state.tokens
     length = tokens.size
     target = caches.target
@@ -205,9 +228,9 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
     window = sliding_window(probe)
     selected = cover_sliding_window(selected, probe, length, 0)
 
-    # what can be reused: the dense prefix, or a stored sparse cache whose selection
-    # kept as much and still covers the shared prefix
+    # what can be reused: the dense prefix, or a stored sparse view of a longer prefix
     cut, before, reuse, hit = 0, np.zeros(0, np.int64), "none", None
+    added = np.zeros(0, np.int64)  # passages a repair adds to the view
     if target is not None:
         if dense_hit is not None:
             # selected is sorted: the first index where it departs from 0, 1, 2, ...
@@ -217,32 +240,46 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
             cut = dense_hit.entry.restorable(min(dense_hit.cut, first_dropped))
             hit, before = dense_hit, np.arange(cut)
             reuse = f"dense {dense_hit.describe(cut)}" if cut else "none"
-        # a stored view reaching further than the dense prefix (one being densified, say),
-        # behind the gate; a sliding-window layer's last window is fed anew (the view may
-        # lack some of it)
+        # a stored view reaching further than the dense prefix (one being densified, say);
+        # a sliding-window layer's last window is fed anew (the view may lack some of it)
         sparse_hit = target.find(tokens)
         entry = sparse_hit.entry if sparse_hit is not None else None
         shared = 0 if entry is None else entry.restorable(
             min(sparse_hit.cut, length - window) if window else sparse_hit.cut)
         if entry is not None and entry.positions is not None and shared > cut:
-            held = entry.positions[entry.positions < shared]
-            if entry.keep < report.keep:
-                reuse = (f"selected anew: a stored selection kept {entry.keep} of the prompt, "
-                         f"less than this request's keep {report.keep}; {reuse}")
-            else:
-                coverage = _coverage(importance, selected[selected < shared], held)
-                if coverage >= config.reuse_coverage:
+            held = entry.positions[: entry.count_before(shared)]
+            wanted = selected[selected < shared]
+            coverage = _coverage(importance, wanted, held)
+            missing = np.setdiff1d(wanted, held)
+            view = f"sparse {sparse_hit.describe(shared)}, coverage {coverage:.2f}"
+            if runtime.checkpointed:  # in-order caches: the view as it is, behind the gate
+                if coverage >= config.reuse_coverage and entry.keep >= report.keep:
                     cut, hit, before = shared, sparse_hit, held
-                    reuse = (f"sparse {sparse_hit.describe(shared)}, "
-                             f"coverage {coverage:.2f} >= {config.reuse_coverage}")
+                    reuse = f"{view} >= {config.reuse_coverage}"
                 else:
                     reuse = (f"selected anew: a stored selection covers {coverage:.2f} of the "
-                             f"shared prefix's importance (< {config.reuse_coverage}); {reuse}")
+                             f"shared prefix's importance at keep {entry.keep} (a hybrid or "
+                             f"sliding-window cache cannot be repaired); {reuse}")
+            else:
+                new = int(np.count_nonzero(selected >= shared))
+                fresh = int(np.count_nonzero(selected >= cut))
+                kept = held.size + missing.size + new
+                if _repair_pays(runtime, state, (missing.size + new, held.size, kept),
+                                (fresh, cut, selected.size)):
+                    cut, hit, before, added = shared, sparse_hit, held, missing
+                    reuse = view
+                    if missing.size:
+                        reuse += (f", repaired: +{_runs(missing)} chunks "
+                                  f"({missing.size} tokens)")
+                else:
+                    reuse = (f"selected anew: repairing the stored view ({missing.size + new} "
+                             f"tokens after {held.size} entries) is predicted slower than "
+                             f"selecting anew ({fresh} tokens); {reuse}")
     report.reuse = reuse
-    kept_new = selected[selected >= cut]
+    kept_new = np.concatenate([added, selected[selected >= cut]])
     positions = np.concatenate([before, kept_new])
     report.kept_tokens = int(positions.size)
-    report.selection_digest = hashlib.sha1(positions.astype(np.int64).tobytes()).hexdigest()[:16]
+    report.selection_digest = hashlib.sha1(np.sort(positions).tobytes()).hexdigest()[:16]
     state.positions = None if np.array_equal(positions, np.arange(length)) else positions
     _set_feed(state, runtime, hit, cut, tokens[kept_new], kept_new)
 
