@@ -209,9 +209,10 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
     dense prefix already cached is kept whole (its KV costs nothing) and `keep` applies
     to the rest. A stored sparse view of the shared prefix is repaired: the passages the
     new selection wants and the view lacks are fed at their true positions, then the new
-    tokens, unless selecting anew is predicted cheaper (the view cannot take passages out
-    of order on hybrid and sliding-window caches: there it is reused behind the coverage
-    gate, or the prompt selected anew)."""
+    tokens, unless selecting anew is predicted cheaper; then the view is still extended as
+    it is where it covers `reuse_coverage` of the top of the new importance. Hybrid and
+    sliding-window caches cannot take passages out of order: there the view is reused
+    behind that gate, or the prompt selected anew."""
     config, report, tokens = runtime.config, state.report, state.tokens
     length = tokens.size
     target = caches.target
@@ -264,13 +265,17 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
                 new = int(np.count_nonzero(selected >= shared))
                 fresh = int(np.count_nonzero(selected >= cut))
                 kept = held.size + missing.size + new
-                if _repair_pays(runtime, state, (missing.size + new, held.size, kept),
-                                (fresh, cut, selected.size)):
-                    cut, hit, before, added = shared, sparse_hit, held, missing
+                repair = _repair_pays(runtime, state, (missing.size + new, held.size, kept),
+                                      (fresh, cut, selected.size))
+                if repair or coverage >= config.reuse_coverage:
+                    cut, hit, before = shared, sparse_hit, held
                     reuse = view
-                    if missing.size:
+                    if repair and missing.size:
+                        added = missing
                         reuse += (f", repaired: +{_runs(missing)} chunks "
                                   f"({missing.size} tokens)")
+                    elif missing.size:  # the gate holds the top of the importance
+                        reuse += f" >= {config.reuse_coverage}, extended as it is"
                 else:
                     reuse = (f"selected anew: repairing the stored view ({missing.size + new} "
                              f"tokens after {held.size} entries) is predicted slower than "
