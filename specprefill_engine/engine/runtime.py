@@ -65,7 +65,7 @@ class EngineConfig:
     prefix_cache_bytes: int = 4 << 30
     max_batch_size: int = 32
     kv_cache_bytes: Optional[int] = None
-    draft_prefix_cache_bytes: int = 1 << 30
+    draft_prefix_cache_bytes: int = 4 << 30
     reuse_coverage: float = 0.9
     specprefill_margin: float = 0.1
     recent_message_cap: int = DEFAULT_RECENT_CAP  # tokens of the newest message kept
