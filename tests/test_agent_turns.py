@@ -8,7 +8,7 @@ import pytest
 from specprefill_engine import Engine
 from specprefill_engine.core import select_chunks
 from specprefill_engine.demo_tasks import AGENT_TOOLS, make_agent_session, make_case
-from specprefill_engine.engine.segments import protected_tokens
+from specprefill_engine.engine.chat import render_chat
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -28,6 +28,13 @@ def run_turns(engine, session, steps, **options):
         results.append(result)
     return results
 
+
+
+def protected_tokens(tokenizer, messages: list, ids: np.ndarray, tools=None) -> np.ndarray:
+    """The protected mask of `ids`, the chat's rendered prompt."""
+    rendered = render_chat(tokenizer, messages, tools)
+    assert np.array_equal(rendered.tokens, ids)
+    return rendered.protected
 
 def test_a_grown_prompt_reuses_the_draft_and_the_sparse_turn(session):
     with Engine(reuse_coverage=0.5, densify="off") as engine:  # the gate open enough here
