@@ -295,7 +295,7 @@ def test_bad_cuts_and_checkpoints_are_named():
     with pytest.raises(ValueError, match="checkpoints: the snapshot at 50 was taken after 40"):
         store.store(prompt, cache, checkpoints={50: snapshots[40]})
     with pytest.raises(ValueError, match="positions"):
-        store.store(prompt, cache, positions=np.array([3, 2, 1]))
+        store.store(prompt, cache, positions=np.array([3, 2, 3]))  # one position twice
     store.store(prompt, cache, checkpoints={40: snapshots[40]})
     hit = store.find(np.concatenate([prompt[:60], tokens(5, 2)]))
     assert hit.cut == 40 and hit.entry.restorable(39) == 0
