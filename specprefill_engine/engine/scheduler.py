@@ -33,15 +33,18 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from ..core.sparse_prefill import decode_shift
+from ..loading import cache_dir
 from .batch import sample_rows
 from . import densify
 from .delivery import one_delivery
+from .disk_cache import FOLDER as DISK_FOLDER, DiskCache, DiskStats
 from .distributed import Watchdog
 from .executor import Executor, TurnOutcome
 from .plan import Join, Store, TurnPlan
@@ -67,14 +70,41 @@ class RequestFailedError(RuntimeError):
     """One request failed on the worker (the cause is chained); the engine goes on."""
 
 
-def make_prefix_caches(runtime: Runtime) -> PrefixCaches:
-    """The target's prefix cache (every rank keeps one alike) and the draft's (rank 0)."""
+def make_disk_cache(runtime: Runtime) -> Optional[DiskCache]:
+    """The disk tier's folder under both prefix caches, when it has a budget (never on a
+    sharded target: `Runtime.identities` are empty there)."""
     config = runtime.config
+    if not config.prefix_cache_disk_bytes or not any(runtime.identities):
+        return None
+    root = Path(config.cache_dir) if config.cache_dir is not None else cache_dir()
+    return DiskCache(root / DISK_FOLDER, config.prefix_cache_disk_bytes,
+                     config.prefix_cache_disk_bits)
+
+
+def make_prefix_caches(runtime: Runtime, disk: Optional[DiskCache] = None) -> PrefixCaches:
+    """The target's prefix cache (every rank keeps one alike) and the draft's (rank 0),
+    each over its model's disk tier in `disk`."""
+    config, costs = runtime.config, runtime.costs
+
+    def cache_for(model, budget: int, identity: str, which: str):
+        tier = disk.tier(identity) if disk is not None and identity else None
+
+        def predict(tokens: int, cached: int) -> float:
+            # before any prefill was measured on this machine the cost model has no
+            # seconds, only FLOPs: a read is taken to pay, as every peer restores
+            if not (getattr(costs, "target", None) or getattr(costs, "draft", None)):
+                return float("inf")
+            return costs.predict(which, tokens, cached)
+
+        return prefix_cache_for(model, budget, tier, predict)
+
     scorer_model = getattr(runtime.scorer, "model", None)
     draft = None
     if scorer_model is not None:
-        draft = prefix_cache_for(scorer_model, config.draft_prefix_cache_bytes)
-    return PrefixCaches(prefix_cache_for(runtime.model, config.prefix_cache_bytes), draft)
+        draft = cache_for(scorer_model, config.draft_prefix_cache_bytes, runtime.identities[1],
+                          "draft")
+    target = cache_for(runtime.model, config.prefix_cache_bytes, runtime.identities[0], "target")
+    return PrefixCaches(target, draft)
 
 
 class Scheduler:
@@ -98,6 +128,7 @@ class Scheduler:
         self._jobs: deque = deque()  # SpecPrefill turns to densify while idle
         self._replacing: dict = {}  # handle of a sparse turn stored this plan -> its job
         self.densify_stats = densify.DensifyStats()
+        self.disk_stats: Optional[DiskStats] = None  # the disk tier's, when it has one
         self._reserved = 0
         self._handles = itertools.count(1)
         self.runtime: Optional[Runtime] = None
@@ -138,7 +169,9 @@ class Scheduler:
             mx.clear_streams()
             return
         self.runtime = runtime  # for inspection only: never used off this thread
-        caches = make_prefix_caches(runtime)
+        disk = make_disk_cache(runtime)
+        self.disk_stats = disk.stats if disk is not None else None
+        caches = make_prefix_caches(runtime, disk)
         self.executor = Executor(runtime.model, caches.target, runtime.group)
         if runtime.group is not None:
             self._watchdog = Watchdog(runtime.config.rank_timeout, self._rank_lost)
@@ -153,12 +186,16 @@ class Scheduler:
             logger.exception("engine worker failed")
             self._fail(error)
         finally:
+            if disk is not None and self.failure is None:
+                self._keep_last_turns(caches)
             self._abort_all()
             if self._watchdog is not None:
                 self._watchdog.stop()
             if runtime.channel is not None and self.failure is None:
                 runtime.channel.post(TurnPlan(shutdown=True))  # the other ranks exit
             runtime.costs.save()
+            if disk is not None:
+                disk.close()  # the queued writes finish; their arrays are let go here
             self.executor.clear()
             if caches.draft is not None:
                 caches.draft.clear()
@@ -187,7 +224,10 @@ class Scheduler:
             pinned = {r.key for r in plan.restores}
             if self._prefilling is not None and self._prefilling.restore is not None:
                 pinned.add(self._prefilling.restore.key)  # held while the request prefills
-            plan.drops += caches.target.evictions(pinned)
+            evicted = caches.target.evictions(pinned)
+            for key in evicted:  # spilled to the disk tier, if there is one
+                caches.target.persist(key)
+            plan.drops += evicted
         if plan:
             if runtime.channel is not None:
                 runtime.channel.post(plan)
@@ -196,11 +236,36 @@ class Scheduler:
             outcome = self.executor.run(plan, self._row)
             if self._watchdog is not None:
                 self._watchdog.turn_started = None
+            self._persist(plan, outcome, caches.target)
             self._absorb(plan, outcome, runtime)
             self._densified(plan, outcome)
         if scoring is not None:
             self._score(scoring, runtime, caches)
         return True
+
+    @staticmethod
+    def _persist(plan: TurnPlan, outcome: TurnOutcome, target: Optional[PrefixCache]) -> None:
+        """A store whose work is released in the same plan is its last (a turn's prompt
+        and reply, a finished densify): worth keeping on disk too."""
+        if target is None or target.disk is None:
+            return
+        released = set(plan.releases)
+        for store in plan.stores:
+            if store.handle in released and store.handle in outcome.stored:
+                target.persist(outcome.stored[store.handle])
+
+    def _keep_last_turns(self, caches: PrefixCaches) -> None:
+        """At shutdown: the stores of requests that ended after the last plan (their
+        results are out, their caches not kept yet), so the disk tier has every turn."""
+        plan = TurnPlan()
+        self._plan_endings(plan, caches.target)
+        if plan.stores:
+            try:
+                outcome = self.executor.run(plan)
+            except Exception as error:  # shutting down: the turn is only not kept
+                logger.warning("keeping the last turns at shutdown failed: %r", error)
+                return
+            self._persist(plan, outcome, caches.target)
 
     def _row(self, handle: int) -> RequestState:
         return next(s for s in self._joining if s.handle == handle)
