@@ -4,6 +4,7 @@ continue a conversation from disk; a process killed mid-write, a damaged file, t
 processes sharing the folder, a full or unwritable disk, another model's files, and
 the read-or-recompute decision."""
 
+import contextlib
 import json
 import os
 import signal
@@ -19,26 +20,17 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import HYBRID_CASES, MAMBA, ROPE_CASES, build, kept_chunks, random_tokens, \
-    save_with_demo_tokenizer
+from models import HYBRID_CASES, ROPE_CASES, build, kept_chunks, save_with_demo_tokenizer
 from specprefill_engine import Engine
-from specprefill_engine.core import chunked_prefill
-from specprefill_engine.core.scoring import run_steps
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.engine.disk_cache import FOLDER, DiskCache
 from specprefill_engine.engine.prefix_cache import PrefixCache, snapshot
 from specprefill_engine.loading import DEMO_TARGET
+from test_prefix_cache import CASES as FAMILIES, feed, tokens
+from test_server import _free_port
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).parent.parent
-FAMILIES = {
-    "qwen3": ROPE_CASES["qwen3"],
-    "qwen3_next": HYBRID_CASES["qwen3_next"],
-    "nemotron_h": HYBRID_CASES["nemotron_h"],
-    "gemma3": HYBRID_CASES["gemma3-small-window"],  # window 64 < the prompts
-    "gpt_oss": ("gpt_oss", {**ROPE_CASES["gpt_oss"][1], "sliding_window": 64}),
-    "mamba": MAMBA,
-}
 GB = 1 << 30
 ALONE = dict(model=str(DEMO_TARGET), draft=None)  # the demo target without a draft
 
@@ -50,19 +42,6 @@ def own_cache_dir(tmp_path, monkeypatch):
     folder = tmp_path / "cache"
     monkeypatch.setenv("SPECPREFILL_CACHE_DIR", str(folder))
     return folder
-
-
-def tokens(length: int, seed: int) -> np.ndarray:
-    return np.array(random_tokens(length, seed=seed), dtype=np.int32)
-
-
-def feed(model, cache, ids, positions=None) -> mx.array:
-    steps = chunked_prefill(model, mx.array(ids), cache, 64, positions, balanced=False)
-    return run_steps(steps)[0, -1]
-
-
-def flush(cache: PrefixCache) -> None:
-    cache.close()
 
 
 # every cache family, through the files ------------------------------------------------
@@ -86,7 +65,7 @@ def test_an_entry_read_back_restores_exactly_what_was_stored(name, sparse, tmp_p
     writer = PrefixCache(disk=disk.tier("model-a"))
     key = writer.store(prompt, cache, positions, checkpoints, keep=0.3 if sparse else 1.0)
     writer.persist(key)
-    flush(writer)
+    writer.close()
 
     reader = PrefixCache(disk=DiskCache(tmp_path / FOLDER, GB).tier("model-a"))
     ids = np.concatenate([prompt[:250], tokens(40, 3)])
@@ -134,7 +113,7 @@ def test_bfloat16_kv_and_quantized_kv_go_through_the_file(tmp_path):
         root = tmp_path / f"bits{bits}" / FOLDER
         writer = PrefixCache(disk=DiskCache(root, GB, bits).tier("m"))
         writer.persist(writer.store(prompt, cache))
-        flush(writer)
+        writer.close()
         reader = PrefixCache(disk=DiskCache(root, GB).tier("m"))
         hit = reader.promote(np.concatenate([prompt, tokens(5, 5)]))
         keys = hit.entry.kv[0][0]
@@ -260,14 +239,6 @@ def test_chat_reopened_with_its_session_continues_from_disk(tmp_path, demo_pair)
     assert len(json.loads(session.read_text())) == 4
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _serve_one(cache: Path, messages: list) -> dict:
     """Start `serve`, send one chat completion, stop it with SIGTERM."""
     port = _free_port()
@@ -276,14 +247,14 @@ def _serve_one(cache: Path, messages: list) -> dict:
          "--log-level", "warning"], env=_cli_env(cache), stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, "serve did not start"
-            try:
+        for _ in range(1200):  # up to 2 minutes for the models to load
+            assert process.poll() is None, "serve exited"
+            with contextlib.suppress(httpx.TransportError):
                 if httpx.get(base + "/health").status_code == 200:
                     break
-            except httpx.TransportError:
-                time.sleep(0.1)
+            time.sleep(0.1)
+        else:
+            raise AssertionError("serve did not start")
         response = httpx.post(base + "/v1/chat/completions", timeout=120, json={
             "model": "m", "messages": messages, "max_tokens": 6, "temperature": 0})
         assert response.status_code == 200, response.text
@@ -475,6 +446,18 @@ def test_a_folder_that_cannot_be_made_turns_the_tier_off_with_one_warning(tmp_pa
     assert [r.token_ids for r in turns] == [r.token_ids for r in without]
     assert stats.off and stats.written == 0
     assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
+
+
+def test_bad_settings_are_refused_by_name():
+    for settings, name in ((dict(prefix_cache_disk_bytes=-1), "prefix_cache_disk_bytes"),
+                           (dict(prefix_cache_disk_bytes=1.5), "prefix_cache_disk_bytes"),
+                           (dict(prefix_cache_disk_bits=3), "prefix_cache_disk_bits"),
+                           (dict(cache_dir=3), "cache_dir")):
+        with pytest.raises((ValueError, TypeError), match=name):
+            Engine(**settings)
+    run = subprocess.run([sys.executable, "-m", "specprefill_engine.cli", "demo",
+                          "--disk-cache-gb", "-1"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--disk-cache-gb must be >= 0" in run.stderr
 
 
 # keys and the decision -----------------------------------------------------------------

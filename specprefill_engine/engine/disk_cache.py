@@ -110,6 +110,8 @@ class DiskStats:
     recomputed: int = 0  # files not read: prefilling what they add was predicted faster
     broken: int = 0  # files ignored and removed: their layout or checksum did not match
     evicted: int = 0  # files removed to keep the budget
+    predicted_read_s: float = 0.0  # the last decision: the file's size over the read rate
+    predicted_prefill_s: float = 0.0  # ... against the prefill of what it adds
     off: str = ""  # why the tier is off ("" while it works)
 
     @property
@@ -399,7 +401,7 @@ class DiskCache:
             job.path.parent.mkdir(parents=True, exist_ok=True)
             self._write_file(job, tmp)
             os.replace(tmp, job.path)
-        except OSError as error:
+        except Exception as error:  # a full disk, a read-only folder, arrays it cannot read
             try:
                 tmp.unlink(missing_ok=True)
             except OSError:
@@ -585,13 +587,14 @@ class DiskTier:
     def pays(self, stub: Entry, prefill_s: float) -> bool:
         """Whether reading the file is predicted faster than the prefill it saves."""
         read_s = self.sizes.get(stub.disk, 0) / self.cache.read_rate()
-        if read_s < prefill_s:
-            return True
-        logger.debug("prefix cache on disk: %s not read (%.3f s) : prefilling is predicted "
-                     "at %.3f s", stub.disk, read_s, prefill_s)
         with self.cache._lock:
-            self.stats.recomputed += 1
-        return False
+            self.stats.predicted_read_s, self.stats.predicted_prefill_s = read_s, prefill_s
+            if read_s >= prefill_s:
+                self.stats.recomputed += 1
+        logger.debug("prefix cache on disk: %s %s: reading predicted at %.3f s, prefilling "
+                     "at %.3f s", stub.disk, "read" if read_s < prefill_s else "not read",
+                     read_s, prefill_s)
+        return read_s < prefill_s
 
     def read(self, stub: Entry) -> Optional[Entry]:
         """The file as a memory entry (its key unset), or None when it is gone or broken

@@ -1,0 +1,253 @@
+"""The next turn after a restart: its KV read back from the prefix cache on disk, against
+recomputed, with the read rate and the cost model's pick; and what 8- or 4-bit storage
+of the KV does to answers.
+
+An agent session (`demo_tasks.make_agent_session`: documents of `--tokens` tokens, then
+a tool result of 200-500 tokens and a question per step) runs its first step in one
+engine, which keeps that turn on disk and shuts down. Rows for the second step, each
+in a new engine (the restart) that first answers a short unrelated prompt (a process's
+first forward pays one-time costs, kernel compiles on a GPU):
+- recompute: no cached prefix, the whole prompt prefilled (`cache_prompt=False`);
+- restore: the file read back, from the page cache (just written) and, on Linux, cold
+  (the file dropped from the page cache first: `posix_fadvise`, as after a reboot). A
+  read rate far above any prefill is written to the folder's `rates.json` first, so
+  the engine reads whatever its cost model says;
+- auto: the engine's own pick, cold, from the read rate it measured and its cost
+  model's prediction of the prefill (`Engine.stats()["disk"]`); "right" when it took
+  the side measured faster.
+`--bits 8 4` adds the restore rows with the KV stored quantized. `--quality N` runs N
+sessions per storage (exact, 8-bit, 4-bit): the second step's answer after a restart,
+right or wrong, and its greedy tokens against the exact restore's.
+
+    .venv/bin/python benchmarks/disk_cache.py --tokens 6144 --json docs/disk-cache-cpu.json
+    .venv/bin/python benchmarks/disk_cache.py --tokens 4096 --quality 20 --no-timing \\
+        --json docs/disk-cache-quality-cpu.json
+    python benchmarks/disk_cache.py --target-shape qwen3-8b --draft-shape qwen3-0.6b \\
+        --tokens 8192 32768 --bits 0 8 --json docs/disk-cache-gpu.json          # H200
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
+import mlx.core as mx
+
+from specprefill_engine import Engine
+from specprefill_engine.demo_tasks import make_agent_session
+from specprefill_engine.engine.disk_cache import FOLDER
+
+from random_models import add_pair_arguments, random_pair
+
+NEW_TOKENS = 8
+FORCE_READ = 1e15  # bytes/s: every read predicted faster than any prefill
+WARM_UP = [{"role": "user", "content": "Say hello."}]
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def sessions(engine, tokens: int, count: int, seed: int = 0) -> list:
+    return [make_agent_session(engine.tokenizer, seed + i, tokens, steps=2) for i in range(count)]
+
+
+def drop_from_page_cache(folder: Path) -> bool:
+    """Evict the folder's files from the page cache (their pages are clean: the writer
+    flushed them), so the next read comes from the disk; False where the OS has no way."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for path in folder.rglob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def set_read_rate(folder: Path, rate: float) -> None:
+    path = folder / FOLDER / "rates.json"
+    rates = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**rates, "read": rate}))
+
+
+def step(engine, session, replies: list, **request):
+    return engine.generate_sync(session.messages(len(replies), replies), max_tokens=NEW_TOKENS,
+                                specprefill=False, ignore_eos=True, **request)
+
+
+def row(name: str, result, stats=None, **extra) -> dict:
+    out = {"row": name, "prompt_tokens": result.usage.prompt_tokens,
+           "cached_tokens": result.usage.cached_tokens, "reuse": result.specprefill.reuse,
+           "ttft_s": result.timings.time_to_first_token, **extra}
+    if stats is not None:
+        out.update(read_bytes=stats.read_bytes, read_s=stats.read_seconds,
+                   read_gb_per_s=stats.read_rate / 1e9 if stats.read_seconds else None,
+                   predicted_read_s=stats.predicted_read_s,
+                   predicted_prefill_s=stats.predicted_prefill_s)
+    log(f"  {name}: TTFT {out['ttft_s']:.3f}s, cached {out['cached_tokens']}, {out['reuse']}")
+    return out
+
+
+def copy_of(folder: Path, name: str) -> Path:
+    """A restart's own copy of what the first engine wrote (a restarted engine writes its
+    own turn, which the next restart must not find)."""
+    copy = folder.with_name(f"{folder.name}-{name}")
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(folder, copy)
+    return copy
+
+
+def restarted(paths, folder: Path, bits: int, session, replies: list) -> tuple:
+    """A new engine over `folder`: a warm-up, then the session's next step."""
+    with Engine(model=paths[0], draft=paths[1], prefix_cache_disk_bytes=1 << 40,
+                prefix_cache_disk_bits=bits, cache_dir=str(folder)) as engine:
+        engine.generate_sync(WARM_UP, max_tokens=2, cache_prompt=False)
+        result = step(engine, session, replies)
+        return result, engine.stats()["disk"]
+
+
+def timing(paths, tokens: int, bits_list: list, work: Path, runs: int) -> list:
+    rows, cold = [], None
+    for bits in bits_list:
+        folder = work / f"{tokens}-{bits}"
+        with Engine(model=paths[0], draft=paths[1], prefix_cache_disk_bytes=1 << 40,
+                    prefix_cache_disk_bits=bits, cache_dir=str(folder)) as engine:
+            engine.generate_sync(WARM_UP, max_tokens=2, cache_prompt=False)
+            (session,) = sessions(engine, tokens, 1)
+            first = step(engine, session, [])
+            replies = [first.text.strip()]
+            if bits == bits_list[0]:
+                recompute = [step(engine, session, replies, cache_prompt=False)
+                             for _ in range(runs)]
+        written = engine.stats()["disk"]
+        file_bytes = sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
+        log(f"{tokens} tokens, {bits or 'full'}-bit KV: {file_bytes / 1e6:.1f} MB written in "
+            f"{written.write_seconds:.2f}s")
+        common = dict(tokens=tokens, bits=bits, file_bytes=file_bytes)
+        if bits == bits_list[0]:
+            best = min(recompute, key=lambda r: r.timings.time_to_first_token)
+            rows.append(row("recompute", best, **common,
+                            ttft_runs=[r.timings.time_to_first_token for r in recompute]))
+        for where in ("page cache", "cold"):
+            if where == "cold" and not hasattr(os, "posix_fadvise"):
+                continue
+            results = []
+            for run in range(runs):
+                copy = copy_of(folder, f"{where}-{run}".replace(" ", "-"))
+                set_read_rate(copy, FORCE_READ)
+                if where == "cold":
+                    drop_from_page_cache(copy)
+                results.append(restarted(paths, copy, bits, session, replies))
+            result, stats = min(results, key=lambda pair: pair[0].timings.time_to_first_token)
+            rows.append(row(f"restore ({where})", result, stats, **common,
+                            ttft_runs=[r.timings.time_to_first_token for r, _ in results]))
+            if where == "cold" or cold is None:
+                cold = stats  # the rate the auto row's engine starts from
+        if bits == bits_list[0]:  # the engine's own pick, from the last measured read rate
+            copy = copy_of(folder, "auto")
+            set_read_rate(copy, cold.read_rate)
+            drop_from_page_cache(copy)
+            result, stats = restarted(paths, copy, bits, session, replies)
+            picked = "restore" if stats.reads else "recompute"
+            measured = {r["row"]: r["ttft_s"] for r in rows
+                        if r["tokens"] == tokens and r["bits"] == bits}
+            restore_s = measured.get("restore (cold)", measured["restore (page cache)"])
+            faster = "restore" if restore_s < measured["recompute"] else "recompute"
+            rows.append(row("auto", result, stats, **common, picked=picked,
+                            right=picked == faster))
+    return rows
+
+
+def quality(paths, tokens: int, count: int, work: Path) -> list:
+    """The second step's answer after a restart, per storage of the first step's KV."""
+    rows, exact = [], None
+    for bits in (0, 8, 4):
+        folder = work / f"quality-{bits}"
+        settings = dict(model=paths[0], draft=paths[1], prefix_cache_disk_bytes=1 << 40,
+                        prefix_cache_disk_bits=bits, cache_dir=str(folder))
+        with Engine(**settings) as engine:
+            cases = sessions(engine, tokens, count, seed=100)
+            replies = [[step(engine, s, []).text.strip()] for s in cases]
+        set_read_rate(folder, FORCE_READ)
+        with Engine(**settings) as engine:
+            results = [step(engine, s, r) for s, r in zip(cases, replies)]
+        right = [r.text.strip() == s.answers[1] for r, s in zip(results, cases)]
+        restored = sum("(disk)" in r.specprefill.reuse for r in results)
+        if bits == 0:
+            exact = results
+        same = [r.token_ids == e.token_ids for r, e in zip(results, exact)]
+        first = [r.token_ids[0] == e.token_ids[0] for r, e in zip(results, exact)]
+        rows.append({"row": "quality", "bits": bits, "tokens": tokens, "sessions": count,
+                     "restored": restored, "accuracy": sum(right) / count,
+                     "same_tokens": sum(same) / count, "same_first_token": sum(first) / count})
+        log(f"quality, {bits or 'full'}-bit KV: accuracy {sum(right)}/{count}, greedy tokens "
+            f"as the exact restore's {sum(same)}/{count} ({restored} restored from disk)")
+    return rows
+
+
+def table(rows: list) -> str:
+    lines = ["| tokens | KV on disk | row | TTFT (s) | vs recompute | cached | file (MB) | "
+             "read (GB/s) | note |", "|---|---|---|---|---|---|---|---|---|"]
+    recompute = {r["tokens"]: r["ttft_s"] for r in rows if r["row"] == "recompute"}
+    for r in rows:
+        if r["row"] == "quality":
+            continue
+        note = ""
+        if r["row"] == "auto":
+            note = (f"picked {r['picked']} ({'right' if r['right'] else 'wrong'}): read "
+                    f"{r['predicted_read_s']:.3f}s vs prefill {r['predicted_prefill_s']:.3f}s "
+                    "predicted")
+        rate = r.get("read_gb_per_s")
+        speedup = recompute[r["tokens"]] / r["ttft_s"]
+        lines.append(f"| {r['tokens']} | {r['bits'] or 'as computed'}"
+                     f"{'-bit' if r['bits'] else ''} | {r['row']} | {r['ttft_s']:.3f} | "
+                     f"{speedup:.1f}x | {r['cached_tokens']} | {r['file_bytes'] / 1e6:.1f} | "
+                     f"{f'{rate:.2f}' if rate else ''} | {note} |")
+    quality_rows = [r for r in rows if r["row"] == "quality"]
+    if quality_rows:
+        lines += ["", "| KV on disk | tokens | sessions | restored | accuracy | tokens as exact | "
+                  "first token as exact |", "|---|---|---|---|---|---|---|"]
+        for r in quality_rows:
+            lines.append(f"| {r['bits'] or 'as computed'}{'-bit' if r['bits'] else ''} | "
+                         f"{r['tokens']} | {r['sessions']} | {r['restored']} | "
+                         f"{r['accuracy']:.2f} | {r['same_tokens']:.2f} | "
+                         f"{r['same_first_token']:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_pair_arguments(parser)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[6144])
+    parser.add_argument("--bits", type=int, nargs="+", default=[0], choices=[0, 4, 8],
+                        help="KV storage for the restore rows (0: as computed)")
+    parser.add_argument("--runs", type=int, default=1, help="restarts per row (the best counts)")
+    parser.add_argument("--quality", type=int, default=0, help="sessions per storage")
+    parser.add_argument("--no-timing", action="store_true", help="only --quality")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    paths = random_pair(args)
+    work = Path(tempfile.mkdtemp(prefix="specprefill-disk-"))
+    os.environ["SPECPREFILL_CACHE_DIR"] = str(work / "home")  # the cost model starts empty
+    log(f"files under {work}; device {mx.default_device()}")
+    rows = []
+    for tokens in [] if args.no_timing else args.tokens:
+        rows += timing(paths, tokens, args.bits, work, args.runs)
+    if args.quality:
+        rows += quality(paths, args.tokens[0], args.quality, work)
+    print(table(rows), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows},
+                                              indent=2))
+
+
+if __name__ == "__main__":
+    main()
