@@ -14,16 +14,21 @@ first forward pays one-time costs, kernel compiles on a GPU):
   the engine reads whatever its cost model says;
 - auto: the engine's own pick, cold, from the read rate it measured and its cost
   model's prediction of the prefill (`Engine.stats()["disk"]`); "right" when it took
-  the side measured faster.
+  the side measured faster;
+- no restart (memory): the first engine, still up, answering the step from memory: the
+  floor a restore can reach (the new tokens' prefill after the cached prefix).
 `--bits 8 4` adds the restore rows with the KV stored quantized. `--quality N` runs N
 sessions per storage (exact, 8-bit, 4-bit): the second step's answer after a restart,
 right or wrong, and its greedy tokens against the exact restore's.
 
-    .venv/bin/python benchmarks/disk_cache.py --tokens 6144 --json docs/disk-cache-cpu.json
-    .venv/bin/python benchmarks/disk_cache.py --tokens 4096 --quality 20 --no-timing \\
+    .venv/bin/python benchmarks/disk_cache.py --tokens 6144 --bits 0 8 4 --runs 3 \\
+        --json docs/disk-cache-cpu.json
+    .venv/bin/python benchmarks/disk_cache.py --tokens 2048 --quality 20 --no-timing \\
         --json docs/disk-cache-quality-cpu.json
-    python benchmarks/disk_cache.py --target-shape qwen3-8b --draft-shape qwen3-0.6b \\
-        --tokens 8192 32768 --bits 0 8 --json docs/disk-cache-gpu.json          # H200
+    python benchmarks/disk_cache.py --target-shape qwen3-8b --tokens 8192 --bits 0 8 \\
+        --json docs/disk-cache-gpu-8k.json                                      # H200
+    python benchmarks/disk_cache.py --target-shape qwen3-8b --tokens 32768 --bits 0 8 \\
+        --json docs/disk-cache-gpu-32k.json
 """
 
 import argparse
@@ -41,10 +46,11 @@ import mlx.core as mx
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_agent_session
 from specprefill_engine.engine.disk_cache import FOLDER
+from specprefill_engine.loading import DEMO_TARGET
 
 from random_models import add_pair_arguments, random_pair
 
-NEW_TOKENS = 8
+NEW_TOKENS = 12
 FORCE_READ = 1e15  # bytes/s: every read predicted faster than any prefill
 WARM_UP = [{"role": "user", "content": "Say hello."}]
 
@@ -79,8 +85,9 @@ def set_read_rate(folder: Path, rate: float) -> None:
 
 
 def step(engine, session, replies: list, **request):
+    """The session's next step, as an agent sends it (its tools in the prompt); dense."""
     return engine.generate_sync(session.messages(len(replies), replies), max_tokens=NEW_TOKENS,
-                                specprefill=False, ignore_eos=True, **request)
+                                tools=list(session.tools), specprefill=False, **request)
 
 
 def row(name: str, result, stats=None, **extra) -> dict:
@@ -114,55 +121,75 @@ def restarted(paths, folder: Path, bits: int, session, replies: list) -> tuple:
         return result, engine.stats()["disk"]
 
 
+def first_step(engine, tokens: int) -> tuple:
+    """A session's first step, once its file is on disk: (session, replies)."""
+    engine.generate_sync(WARM_UP, max_tokens=2, cache_prompt=False)
+    (session,) = sessions(engine, tokens, 1)
+    replies = [step(engine, session, []).text.strip()]
+    deadline = time.monotonic() + 600
+    while engine.stats()["disk"].written < 1:  # the writer thread keeps it
+        assert time.monotonic() < deadline, "the first step's file was not written"
+        time.sleep(0.05)
+    return session, replies
+
+
+def restores(paths, folder: Path, bits: int, session, replies: list, runs: int,
+             common: dict) -> list:
+    """The restore rows, each restart on its own copy of `folder`, the read forced."""
+    rows = []
+    for where in ("page cache", "cold"):
+        if where == "cold" and not hasattr(os, "posix_fadvise"):
+            continue
+        results = []
+        for run in range(runs):
+            copy = copy_of(folder, f"{where}-{run}".replace(" ", "-"))
+            set_read_rate(copy, FORCE_READ)
+            if where == "cold":
+                drop_from_page_cache(copy)
+            results.append(restarted(paths, copy, bits, session, replies))
+            shutil.rmtree(copy)  # 32K tokens of an 8B model: 4.8 GB a copy
+        result, stats = min(results, key=lambda pair: pair[0].timings.time_to_first_token)
+        rows.append(row(f"restore ({where})", result, stats, **common,
+                        ttft_runs=[r.timings.time_to_first_token for r, _ in results]))
+    return rows
+
+
 def timing(paths, tokens: int, bits_list: list, work: Path, runs: int) -> list:
-    rows, cold = [], None
+    """Per storage, the first engine stays up while the restarts run, then answers the
+    same step from memory (no restart) last."""
+    rows = []
     for bits in bits_list:
-        folder = work / f"{tokens}-{bits}"
+        folder, first = work / f"{tokens}-{bits}", bits == bits_list[0]
         with Engine(model=paths[0], draft=paths[1], prefix_cache_disk_bytes=1 << 40,
                     prefix_cache_disk_bits=bits, cache_dir=str(folder)) as engine:
-            engine.generate_sync(WARM_UP, max_tokens=2, cache_prompt=False)
-            (session,) = sessions(engine, tokens, 1)
-            first = step(engine, session, [])
-            replies = [first.text.strip()]
-            if bits == bits_list[0]:
+            session, replies = first_step(engine, tokens)
+            file_bytes = sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
+            log(f"{tokens} tokens, {bits or 'full'}-bit KV: {file_bytes / 1e6:.1f} MB written "
+                f"in {engine.stats()['disk'].write_seconds:.2f}s")
+            common = dict(tokens=tokens, bits=bits, file_bytes=file_bytes)
+            if first:
                 recompute = [step(engine, session, replies, cache_prompt=False)
                              for _ in range(runs)]
-        written = engine.stats()["disk"]
-        file_bytes = sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
-        log(f"{tokens} tokens, {bits or 'full'}-bit KV: {file_bytes / 1e6:.1f} MB written in "
-            f"{written.write_seconds:.2f}s")
-        common = dict(tokens=tokens, bits=bits, file_bytes=file_bytes)
-        if bits == bits_list[0]:
-            best = min(recompute, key=lambda r: r.timings.time_to_first_token)
-            rows.append(row("recompute", best, **common,
-                            ttft_runs=[r.timings.time_to_first_token for r in recompute]))
-        for where in ("page cache", "cold"):
-            if where == "cold" and not hasattr(os, "posix_fadvise"):
+                best = min(recompute, key=lambda r: r.timings.time_to_first_token)
+                rows.append(row("recompute", best, **common,
+                                ttft_runs=[r.timings.time_to_first_token for r in recompute]))
+            rows += restores(paths, folder, bits, session, replies, runs, common)
+            if not first:
                 continue
-            results = []
-            for run in range(runs):
-                copy = copy_of(folder, f"{where}-{run}".replace(" ", "-"))
-                set_read_rate(copy, FORCE_READ)
-                if where == "cold":
-                    drop_from_page_cache(copy)
-                results.append(restarted(paths, copy, bits, session, replies))
-            result, stats = min(results, key=lambda pair: pair[0].timings.time_to_first_token)
-            rows.append(row(f"restore ({where})", result, stats, **common,
-                            ttft_runs=[r.timings.time_to_first_token for r, _ in results]))
-            if where == "cold" or cold is None:
-                cold = stats  # the rate the auto row's engine starts from
-        if bits == bits_list[0]:  # the engine's own pick, from the last measured read rate
+            # the engine's own pick, cold, from the read rate the cold restarts measured
             copy = copy_of(folder, "auto")
-            set_read_rate(copy, cold.read_rate)
+            set_read_rate(copy, rows[-1]["read_gb_per_s"] * 1e9)
             drop_from_page_cache(copy)
             result, stats = restarted(paths, copy, bits, session, replies)
+            shutil.rmtree(copy)
             picked = "restore" if stats.reads else "recompute"
             measured = {r["row"]: r["ttft_s"] for r in rows
-                        if r["tokens"] == tokens and r["bits"] == bits}
-            restore_s = measured.get("restore (cold)", measured["restore (page cache)"])
-            faster = "restore" if restore_s < measured["recompute"] else "recompute"
+                        if (r["tokens"], r["bits"]) == (tokens, bits)}
+            faster = "restore" if rows[-1]["ttft_s"] < measured["recompute"] else "recompute"
             rows.append(row("auto", result, stats, **common, picked=picked,
                             right=picked == faster))
+            rows.append(row("no restart (memory)", step(engine, session, replies), **common))
+        shutil.rmtree(folder)
     return rows
 
 
@@ -234,7 +261,8 @@ def main():
     parser.add_argument("--no-timing", action="store_true", help="only --quality")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    paths = random_pair(args)
+    target, _ = random_pair(args)
+    paths = (target or str(DEMO_TARGET), None)  # every row is dense: no draft to load
     work = Path(tempfile.mkdtemp(prefix="specprefill-disk-"))
     os.environ["SPECPREFILL_CACHE_DIR"] = str(work / "home")  # the cost model starts empty
     log(f"files under {work}; device {mx.default_device()}")

@@ -65,7 +65,7 @@ def test_an_entry_read_back_restores_exactly_what_was_stored(name, sparse, tmp_p
     writer = PrefixCache(disk=disk.tier("model-a"))
     key = writer.store(prompt, cache, positions, checkpoints, keep=0.3 if sparse else 1.0)
     writer.persist(key)
-    writer.close()
+    disk.close()  # the writes done
 
     reader = PrefixCache(disk=DiskCache(tmp_path / FOLDER, GB).tier("model-a"))
     ids = np.concatenate([prompt[:250], tokens(40, 3)])
@@ -111,9 +111,10 @@ def test_bfloat16_kv_and_quantized_kv_go_through_the_file(tmp_path):
     sizes = {}
     for bits in (0, 8, 4):
         root = tmp_path / f"bits{bits}" / FOLDER
-        writer = PrefixCache(disk=DiskCache(root, GB, bits).tier("m"))
+        disk = DiskCache(root, GB, bits)
+        writer = PrefixCache(disk=disk.tier("m"))
         writer.persist(writer.store(prompt, cache))
-        writer.close()
+        disk.close()
         reader = PrefixCache(disk=DiskCache(root, GB).tier("m"))
         hit = reader.promote(np.concatenate([prompt, tokens(5, 5)]))
         keys = hit.entry.kv[0][0]
@@ -200,6 +201,21 @@ def test_after_a_restart_the_next_turn_restores_from_disk(family, sparse, famili
         assert second.specprefill.selection_digest == want.specprefill.selection_digest
     assert second.token_ids == want.token_ids
     assert stats.reads >= 1 and stats.broken == 0 and not stats.off
+
+
+def test_a_densified_turn_is_kept_on_disk_and_restored_as_densified(tmp_path):
+    settings = dict(prefix_cache_disk_bytes=GB, cache_dir=str(tmp_path), densify="idle")
+    with Engine(**settings) as engine:
+        (first,) = conversation(engine, 1, 1800, specprefill=True)
+        deadline = time.monotonic() + 300
+        while engine.stats()["densify"].entries < 1:  # computed while the engine is idle
+            assert time.monotonic() < deadline, engine.stats()
+            time.sleep(0.2)
+    with Engine(**settings) as engine:
+        again = engine.generate_sync(next_turn(first), max_tokens=6, ignore_eos=True)
+    reuse = again.specprefill.reuse
+    assert reuse.startswith("dense prefix (densified) of") and reuse.endswith("(disk)"), reuse
+    assert again.usage.cached_tokens >= first[0]
 
 
 def _cli_env(cache: Path) -> dict:

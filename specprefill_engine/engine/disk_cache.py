@@ -55,6 +55,7 @@ SUFFIX = ".safetensors"
 QUANT_GROUP = 32  # KV quantized in groups of 32 along the head dimension
 DEFAULT_READ_RATE = 200e6  # bytes/s assumed before any read or write was measured
 STALE_S = 600.0  # a temporary file this old was left by a writer that died
+MAX_PENDING = 4 << 30  # bytes of queued writes held (one entry always); past it one waits
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
                    "chat_template.json", "config.json", "generation_config.json")
@@ -367,6 +368,11 @@ class DiskCache:
                            "prefix_cache_disk_bytes / --disk-cache-gb)", job.nbytes / 1e6,
                            self.max_bytes / 1e6)
             return False
+        queued = sum(pending.nbytes for pending in self._pending)
+        if queued and queued + job.nbytes > MAX_PENDING:
+            logger.debug("prefix cache on disk: %d writes queued; %s waits", len(self._pending),
+                         job.path.name)
+            return False  # not written now: kept in memory, offered again when evicted
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="specprefill-disk-writer",
                                             daemon=True)
@@ -512,9 +518,6 @@ class DiskTier:
     @property
     def stats(self) -> DiskStats:
         return self.cache.stats
-
-    def close(self) -> None:
-        self.cache.close()
 
     # the index -------------------------------------------------------------------
 

@@ -291,11 +291,6 @@ class PrefixCache:
         if self.disk is not None and entry is not None and entry.disk is None:
             entry.disk = self.disk.write(entry)
 
-    def close(self) -> None:
-        """Finish the disk tier's writes (the memory's entries go with the process)."""
-        if self.disk is not None:
-            self.disk.close()
-
     def resolve(self, key: int) -> int:
         """The key an entry now lives under (a newer entry may have absorbed it)."""
         while key in self.merged:
