@@ -220,32 +220,38 @@ def quality(paths, tokens: int, count: int, work: Path) -> list:
     return rows
 
 
+def storage(bits: int) -> str:
+    return f"{bits}-bit" if bits else "as computed"
+
+
 def table(rows: list) -> str:
-    lines = ["| tokens | KV on disk | row | TTFT (s) | vs recompute | cached | file (MB) | "
-             "read (GB/s) | note |", "|---|---|---|---|---|---|---|---|---|"]
-    recompute = {r["tokens"]: r["ttft_s"] for r in rows if r["row"] == "recompute"}
-    for r in rows:
-        if r["row"] == "quality":
-            continue
+    """Markdown: the timing rows, then the quality rows."""
+    lines = []
+    timed = [r for r in rows if r["row"] != "quality"]
+    recompute = {r["tokens"]: r["ttft_s"] for r in timed if r["row"] == "recompute"}
+    if timed:
+        lines += ["| tokens | KV on disk | row | TTFT (s) | vs recompute | cached | file (MB) | "
+                  "read (s) | read (GB/s) | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in timed:
         note = ""
         if r["row"] == "auto":
-            note = (f"picked {r['picked']} ({'right' if r['right'] else 'wrong'}): read "
-                    f"{r['predicted_read_s']:.3f}s vs prefill {r['predicted_prefill_s']:.3f}s "
-                    "predicted")
-        rate = r.get("read_gb_per_s")
+            verdict = "right" if r["right"] else "wrong"
+            note = (f"picked {r['picked']} ({verdict}): read {r['predicted_read_s']:.3f}s vs "
+                    f"prefill {r['predicted_prefill_s']:.3f}s predicted")
+        read = f"{r['read_s']:.3f} | {r['read_gb_per_s']:.2f}" if r.get("read_s") else " | "
         speedup = recompute[r["tokens"]] / r["ttft_s"]
-        lines.append(f"| {r['tokens']} | {r['bits'] or 'as computed'}"
-                     f"{'-bit' if r['bits'] else ''} | {r['row']} | {r['ttft_s']:.3f} | "
+        lines.append(f"| {r['tokens']} | {storage(r['bits'])} | {r['row']} | {r['ttft_s']:.3f} | "
                      f"{speedup:.1f}x | {r['cached_tokens']} | {r['file_bytes'] / 1e6:.1f} | "
-                     f"{f'{rate:.2f}' if rate else ''} | {note} |")
+                     f"{read} | {note} |")
     quality_rows = [r for r in rows if r["row"] == "quality"]
     if quality_rows:
-        lines += ["", "| KV on disk | tokens | sessions | restored | accuracy | tokens as exact | "
-                  "first token as exact |", "|---|---|---|---|---|---|---|"]
+        if lines:
+            lines.append("")
+        lines += ["| KV on disk | tokens | sessions | restored | accuracy | greedy tokens as "
+                  "exact | first token as exact |", "|---|---|---|---|---|---|---|"]
         for r in quality_rows:
-            lines.append(f"| {r['bits'] or 'as computed'}{'-bit' if r['bits'] else ''} | "
-                         f"{r['tokens']} | {r['sessions']} | {r['restored']} | "
-                         f"{r['accuracy']:.2f} | {r['same_tokens']:.2f} | "
+            lines.append(f"| {storage(r['bits'])} | {r['tokens']} | {r['sessions']} | "
+                         f"{r['restored']} | {r['accuracy']:.2f} | {r['same_tokens']:.2f} | "
                          f"{r['same_first_token']:.2f} |")
     return "\n".join(lines)
 
@@ -260,7 +266,12 @@ def main():
     parser.add_argument("--quality", type=int, default=0, help="sessions per storage")
     parser.add_argument("--no-timing", action="store_true", help="only --quality")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--table", nargs="+", metavar="JSON", help="print saved runs' tables")
     args = parser.parse_args()
+    if args.table:
+        for path in args.table:
+            print(table(json.loads(Path(path).read_text())["rows"]) + "\n")
+        return
     target, _ = random_pair(args)
     paths = (target or str(DEMO_TARGET), None)  # every row is dense: no draft to load
     work = Path(tempfile.mkdtemp(prefix="specprefill-disk-"))
