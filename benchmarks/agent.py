@@ -4,22 +4,28 @@ mlx-lm with its own prompt cache and by the engine three ways.
 Context: system prompt + tool definitions + retrieved documents (`--tokens`), then
 `--steps` steps, each appending the last reply, a tool result of 200-500 tokens and a
 question about another fact of the documents (`demo_tasks.make_agent_session`). Between
-a reply and the next request the agent runs its tool for `--tool-seconds`. Per step:
-time to first token, tokens through the draft and the target, and whether the answer is
-right; per row, the loop's critical-path prefill (the sum of its TTFTs). Rows:
+a reply and the next request the agent runs its tool for `--tool-seconds`; each reply
+is `--reply-tokens` long (agents write 100-500: tool calls and reasoning; the demo
+models answer, then go on). Per step: time to first token, decode time, wall time (the
+two), tokens through the draft and the target, what reuse chose, whether the answer is
+right (the reply starts with it); per row, the loop's wall time and critical-path
+prefill (tool time excluded), and both projected to a Mac from the token counts
+(`mac_projection.py`, labelled projected). Rows:
 - mlx-lm + prompt cache: `generate_step` with mlx-lm's own `LRUPromptCache` (its
   server's: the nearest cached prefix, trimmed where the cache can be; as its server
   keeps segment ends, a copy at the prompt's end and the cache after the reply);
 - dense + prefix cache;
 - SpecPrefill + reuse (densify off): sparse-prefix reuse behind the coverage gate;
 - SpecPrefill + densify: SpecPrefill turns, their dense KV computed while the agent's
-  tool runs.
+  tool runs;
+- engine default: what `Engine()` does with no settings (the automatic policy, repair,
+  densify while idle), at the engine's default cache budgets.
 Each session runs every row in turn (the order rotating from session to session), each
 on a fresh engine (or cache) warmed up first.
 
     .venv/bin/python benchmarks/agent.py --tokens 6000 --sessions 2 --json docs/agent-cpu.json
     python benchmarks/agent.py --target-shape qwen3-8b --tokens 32000 --sessions 1 \\
-        --tool-seconds 2 --json agent-gpu.json                                # GPU timing
+        --tool-seconds 2 --reply-tokens 150 --json agent-gpu.json             # GPU timing
     python benchmarks/agent.py --target-shape qwen3-next-8b --tokens 32000 ...  # a hybrid
 """
 
@@ -38,16 +44,18 @@ from mlx_lm.utils import load_tokenizer
 
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_agent_session
-from specprefill_engine.loading import DEMO_TARGET, load_model
+from specprefill_engine.engine.policy import shape_of
+from specprefill_engine.loading import DEMO_DRAFT, DEMO_TARGET, load_model
 
+import mac_projection
 from random_models import add_pair_arguments, random_pair
 
-NEW_TOKENS = 12
 METHODS = {
     "mlx-lm + prompt cache": None,
     "dense + prefix cache": dict(engine={"densify": "off"}, request={"specprefill": False}),
     "SpecPrefill + reuse": dict(engine={"densify": "off"}, request={"specprefill": True}),
     "SpecPrefill + densify": dict(engine={"densify": "idle"}, request={"specprefill": True}),
+    "engine default": dict(engine={}, request={}),
 }
 
 
@@ -75,17 +83,20 @@ def mlx_lm_session(model, tokenizer, store, session, args) -> list:
             mx.eval([c.state for c in cache])
         store.insert_cache("model", tokens[:-1], copy.deepcopy(cache), cache_type="user")
         fed, ttft = [], None
-        for token, _ in generate_step(mx.array(rest[-1:]), model, max_tokens=NEW_TOKENS,
+        for token, _ in generate_step(mx.array(rest[-1:]), model, max_tokens=args.reply_tokens,
                                       prompt_cache=cache):
             ttft = ttft or time.perf_counter() - started
             fed.append(int(token))
-            if token in tokenizer.eos_token_ids:
+            if token in tokenizer.eos_token_ids and not args.ignore_eos:
                 break
+        wall = time.perf_counter() - started
         store.insert_cache("model", (tokens + fed)[: _fed(cache)], cache)
         reply = tokenizer.decode([t for t in fed if t not in tokenizer.eos_token_ids])
         replies.append(reply)
-        rows.append({"prompt_tokens": len(tokens), "ttft": ttft, "draft_tokens": 0,
-                     "target_tokens": len(tokens) - cached, "reply": reply, "reuse": ""})
+        rows.append({"prompt_tokens": len(tokens), "ttft": ttft, "wall": wall,
+                     "decode": wall - ttft, "reply_tokens": len(fed), "draft_tokens": 0,
+                     "draft_cached": 0, "target_tokens": len(tokens) - cached,
+                     "target_cached": cached, "reply": reply, "reuse": ""})
         time.sleep(args.tool_seconds)
     return rows
 
@@ -93,16 +104,23 @@ def mlx_lm_session(model, tokenizer, store, session, args) -> list:
 def engine_session(engine, settings, session, args) -> list:
     rows, replies = [], []
     for step in range(args.steps):
-        result = engine.generate_sync(session.messages(step, replies), max_tokens=NEW_TOKENS,
+        started = time.perf_counter()
+        result = engine.generate_sync(session.messages(step, replies),
+                                      max_tokens=args.reply_tokens, ignore_eos=args.ignore_eos,
                                       tools=list(session.tools), **settings["request"])
+        wall = time.perf_counter() - started
         replies.append(result.text)
         usage, report = result.usage, result.specprefill
         draft_tokens = usage.prompt_tokens - usage.draft_cached_tokens if report.engaged else 0
         target_tokens = (report.kept_tokens if report.engaged else usage.prompt_tokens) \
             - usage.cached_tokens
-        rows.append({"prompt_tokens": usage.prompt_tokens, "ttft": result.timings.time_to_first_token,
-                     "draft_tokens": draft_tokens, "target_tokens": target_tokens,
-                     "reply": result.text, "reuse": report.reuse, "engaged": report.engaged})
+        ttft = result.timings.time_to_first_token
+        rows.append({"prompt_tokens": usage.prompt_tokens, "ttft": ttft, "wall": wall,
+                     "decode": wall - ttft, "reply_tokens": usage.completion_tokens,
+                     "draft_tokens": draft_tokens, "draft_cached": usage.draft_cached_tokens,
+                     "target_tokens": target_tokens, "target_cached": usage.cached_tokens,
+                     "kept_tokens": report.kept_tokens, "reply": result.text,
+                     "reuse": report.reuse, "engaged": report.engaged})
         time.sleep(args.tool_seconds)
     return rows
 
@@ -111,9 +129,12 @@ def run(args) -> list:
     """Sessions one after another; in each, the rows in turn, each on its own engine (or
     mlx-lm's model), so one target is in memory at a time."""
     rows = []
-    caches = {"prefix_cache_bytes": int(args.cache_gb * 2**30),
-              "draft_prefix_cache_bytes": int(args.cache_gb * 2**30)}
+    caches = {} if args.cache_gb is None else {
+        "prefix_cache_bytes": int(args.cache_gb * 2**30),
+        "draft_prefix_cache_bytes": int(args.cache_gb * 2**30)}
     tokenizer = load_tokenizer(Path(args.target) if args.target else DEMO_TARGET)
+    shapes = [shape_of(load_model(path, default=default)[0])
+              for path, default in ((args.target, DEMO_TARGET), (args.draft, DEMO_DRAFT))]
     warm = argparse.Namespace(**{**vars(args), "steps": 2, "tool_seconds": 0})
     for session_index in range(args.sessions):
         turn = session_index % len(args.methods)  # the order rotates from session to session
@@ -127,16 +148,20 @@ def run(args) -> list:
                 del model
                 mx.clear_cache()
             else:
-                with Engine(model=args.target, draft=args.draft, keep=args.keep,
-                            reuse_coverage=args.coverage, step_size=args.step_size,
-                            **caches, **METHODS[name]["engine"]) as engine:
+                settings = {"keep": args.keep, "reuse_coverage": args.coverage,
+                            "step_size": args.step_size, **caches}
+                if name == "engine default":
+                    settings = {}
+                with Engine(model=args.target, draft=args.draft, **settings,
+                            **METHODS[name]["engine"]) as engine:
                     engine_session(engine, METHODS[name], warm_session, warm)
                     while engine.stats()["densify"].pending:  # idle before the session
                         time.sleep(0.05)
                     session_rows = engine_session(engine, METHODS[name], session, args)
             for step, row in enumerate(session_rows):
                 row.update(method=name, session=session_index, step=step + 1,
-                           correct=row["reply"].strip() == session.answers[step])
+                           correct=row["reply"].strip().startswith(session.answers[step]),
+                           mac_projected=mac_projection.turn_s(*shapes, row))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
@@ -150,6 +175,10 @@ def summary(rows: list, steps: int, methods: list) -> dict:
             picked = [r for r in rows if r["method"] == name and r["step"] == step]
             line[name] = {
                 "ttft": statistics.median(r["ttft"] for r in picked),
+                "wall": statistics.median(r["wall"] for r in picked),
+                "decode": statistics.median(r["decode"] for r in picked),
+                "mac_projected_wall": statistics.median(r["mac_projected"]["wall"] for r in picked),
+                "mac_projected_ttft": statistics.median(r["mac_projected"]["ttft"] for r in picked),
                 "draft_tokens": statistics.median(r["draft_tokens"] for r in picked),
                 "target_tokens": statistics.median(r["target_tokens"] for r in picked),
                 "accuracy": sum(r["correct"] for r in picked) / len(picked),
@@ -159,8 +188,14 @@ def summary(rows: list, steps: int, methods: list) -> dict:
     later = {name: sum(line[name]["ttft"] for line in table[1:]) for name in methods}
     accuracy = {name: statistics.mean(r["correct"] for r in rows if r["method"] == name)
                 for name in methods}
+    def total(key):
+        return {name: sum(line[name][key] for line in table) for name in methods}
+
     return {"steps": table, "critical_path_prefill_s": totals, "steps_2_on_s": later,
-            "accuracy": accuracy}
+            "wall_s": total("wall"), "decode_s": total("decode"),
+            "mac_projected_wall_s": total("mac_projected_wall"),
+            "mac_projected_critical_path_s": total("mac_projected_ttft"),
+            "mac_reference": mac_projection.REFERENCE, "accuracy": accuracy}
 
 
 def main():
@@ -173,11 +208,14 @@ def main():
     parser.add_argument("--sessions", type=int, default=2)
     parser.add_argument("--tool-seconds", type=float, default=0.0,
                         help="the agent's tool time between a reply and the next request")
+    parser.add_argument("--reply-tokens", type=int, default=12, help="tokens per reply")
+    parser.add_argument("--stop-at-eos", dest="ignore_eos", action="store_false",
+                        help="replies end at EOS (default: every reply is --reply-tokens long)")
     parser.add_argument("--keep", type=float, default=0.3)
     parser.add_argument("--coverage", type=float, default=0.9, help="the reuse gate")
     parser.add_argument("--step-size", type=int, help="prefill unit (default: the device's)")
-    parser.add_argument("--cache-gb", type=float, default=8.0,
-                        help="each prefix cache's budget (an 8B target's KV is ~0.15 MB/token)")
+    parser.add_argument("--cache-gb", type=float,
+                        help="each prefix cache's budget (default: the engine's)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--json", help="write rows and the summary here")
     args = parser.parse_args()

@@ -84,7 +84,7 @@ def main():
     with Engine(model=target_path, draft=draft_path, keep=args.keep, prefix_cache_bytes=0,
                 draft_prefix_cache_bytes=0) as engine:
         load_s = time.perf_counter() - started
-        step, draft_step = engine.info.step_size, engine._scheduler.runtime.config.draft_step_size
+        step, draft_step = engine.info.step_size, engine._worker.runtime.config.draft_step_size
         for length in args.lengths:
             row = {"length": length, "load_s": load_s}
             for name, options in (("dense", {"specprefill": False}),

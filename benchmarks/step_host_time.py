@@ -19,7 +19,6 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
 import mlx.core as mx
@@ -31,7 +30,7 @@ from specprefill_engine import Engine
 from specprefill_engine.core.prefill import chunked_prefill
 from specprefill_engine.core.scoring import run_steps
 from specprefill_engine.engine.batch import DecodeBatch
-from specprefill_engine.engine.sampling import SamplingParams
+from specprefill_engine.engine.sampling import GREEDY
 from specprefill_engine.loading import load_model
 from throughput import decode_arguments, prompts
 
@@ -63,7 +62,7 @@ def batch_generator(model, batch: list, new_tokens: int) -> dict:
 
 
 async def engine_stream(engine, batch: list, new_tokens: int) -> dict:
-    worker, me = engine._scheduler.thread.ident, threading.get_ident()
+    worker, me = engine._worker.thread.ident, threading.get_ident()
     counts, marks = [0] * len(batch), []
 
     async def one(index, ids):
@@ -80,7 +79,7 @@ async def engine_stream(engine, batch: list, new_tokens: int) -> dict:
 
 async def engine_generate(engine, batch: list, new_tokens: int) -> dict:
     """No per-token events: end to end only (prefill included), and the worker's CPU."""
-    worker, me = engine._scheduler.thread.ident, threading.get_ident()
+    worker, me = engine._worker.thread.ident, threading.get_ident()
     started, worker_cpu, loop_cpu = time.perf_counter(), thread_cpu(worker), thread_cpu(me)
     await asyncio.gather(*(engine.generate(ids, max_tokens=new_tokens, ignore_eos=True,
                                            specprefill=False, cache_prompt=False)
@@ -97,13 +96,10 @@ def decode_batch_alone(model, batch: list, new_tokens: int, step_size: int) -> d
 
     def work():
         decode = DecodeBatch(model)
-        for ids in batch:
+        for handle, ids in enumerate(batch):
             cache = make_prompt_cache(model)
             logits = run_steps(chunked_prefill(model, mx.array(ids), cache, step_size))
-            row = SimpleNamespace(processors=[], params=SamplingParams(), error=None,
-                                  sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
-                                  generated=[])
-            decode.add(row, cache, mx.argmax(logits[0, -1]).item(), 0)
+            decode.add(handle, GREEDY, cache, mx.argmax(logits[0, -1]).item(), 0)
         me, marks = threading.get_ident(), []
         for _ in range(new_tokens):
             decode.step()

@@ -19,31 +19,24 @@ import mlx.core as mx
 
 import agent
 from specprefill_engine.engine.executor import Executor
-from specprefill_engine.engine.scheduler import Scheduler
 
 
 def traced(events: list) -> None:
-    """Time the executor's turns, the draft's scoring units and each agent step."""
-    run, score, session = Executor.run, Scheduler._score, agent.engine_session
+    """Time the executor's turns (the draft's scoring units among them) and each agent
+    step."""
+    run, session = Executor.run, agent.engine_session
 
-    def timed_run(self, plan, rows=None):
+    def timed_run(self, plan):
         started = time.perf_counter()
-        outcome = run(self, plan, rows)
+        outcome = run(self, plan)
         mx.synchronize()
         events.append({"turn_s": time.perf_counter() - started, "decode": plan.decode,
                        "restores": [(r.key, r.cut) for r in plan.restores],
                        "chunks": [(c.handle, int(c.tokens.size), c.positions is not None)
                                   for c in plan.chunks],
                        "stores": len(plan.stores), "drops": len(plan.drops),
-                       "joins": len(plan.joins)})
+                       "joins": len(plan.joins), "scoring_units": len(plan.scoring)})
         return outcome
-
-    def timed_score(self, *args):
-        started = time.perf_counter()
-        result = score(self, *args)
-        mx.synchronize()
-        events.append({"scoring_unit_s": time.perf_counter() - started})
-        return result
 
     def steps(engine, settings, agent_session, args):
         events.append({"session": agent_session.questions[0], "steps": args.steps})
@@ -52,7 +45,7 @@ def traced(events: list) -> None:
                        "reuse": r["reuse"]} for r in rows)
         return rows
 
-    Executor.run, Scheduler._score, agent.engine_session = timed_run, timed_score, steps
+    Executor.run, agent.engine_session = timed_run, steps
 
 
 def main():

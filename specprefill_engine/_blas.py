@@ -8,9 +8,9 @@ already happened, nothing changes and `blas_status()` says so.
 
 OpenBLAS's idle threads spin on `sched_yield` for about 2**28 cycles after each
 call. During decode its threads sit idle between steps, so on a small CPU they take
-the cores the engine's worker and event loop need (on a 2-core machine: a third of
-the process's time in system calls and a single stream 10% slower than mlx-lm's
-`generate_step`, with the prefill no faster). Unless the caller set it,
+the cores the engine's worker and event loop need (a single stream falls behind
+mlx-lm's `generate_step`, the prefill no faster: docs/how-it-works.md, "Faster CPU
+matmuls"). Unless the caller set it,
 OPENBLAS_THREAD_TIMEOUT is set to its minimum (2**4 cycles) before the library loads,
 so idle threads sleep at once; it stays in `os.environ`, so child processes and other
 OpenBLAS copies loaded later (numpy's) read it too.

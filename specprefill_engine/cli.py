@@ -12,6 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
+from .engine.runtime import EngineConfig, check_keep
+
 EXAMPLES = """examples:
   specprefill-engine demo                      # the main job on a generated document
   specprefill-engine ask notes.py --question "What is the secret passkey?"
@@ -116,13 +118,15 @@ def make_engine(args, **config):
     --disk-cache-gb describe."""
     from .engine import Engine
 
+    settings = {name: getattr(args, name) for name in ("keep", "threshold")
+                if getattr(args, name, None) is not None}
     gb = args.disk_cache_gb
     if gb is None:
         gb = DISK_CACHE_GB.get(args.command, 0.0)
     if not (math.isfinite(gb) and gb >= 0):
         raise UsageError(f"--disk-cache-gb must be >= 0 (0: off), got {gb}")
-    return Engine(model=args.model, draft=args.draft, keep=args.keep, threshold=args.threshold,
-                  prefix_cache_disk_bytes=int(gb * 1e9), **config)
+    return Engine(model=args.model, draft=args.draft, prefix_cache_disk_bytes=int(gb * 1e9),
+                  **settings, **config)
 
 
 def summary(result, dense_ttft=None) -> str:
@@ -385,8 +389,10 @@ def parser() -> argparse.ArgumentParser:
     models = argparse.ArgumentParser(add_help=False)  # every command that loads an engine
     models.add_argument("--model", help="target model: local path or Hugging Face id (default: bundled demo)")
     models.add_argument("--draft", help="draft model sharing the target's tokenizer (default: bundled demo)")
-    models.add_argument("--keep", type=float, default=0.3, help="share of prompt tokens to prefill (default 0.3)")
-    models.add_argument("--threshold", type=int, default=1024, help="use SpecPrefill from this many prompt tokens")
+    models.add_argument("--keep", type=float, help="share of prompt tokens to prefill "
+                        f"(default {EngineConfig.keep})")
+    models.add_argument("--threshold", type=int, help="use SpecPrefill from this many prompt "
+                        f"tokens (default {EngineConfig.threshold})")
     models.add_argument("--disk-cache-gb", type=float, metavar="GB",
                         help="keep prefix caches on disk within this many GB, for later runs "
                         "(default 10 for chat and serve, 0 (off) for the others)")
@@ -436,7 +442,7 @@ def parser() -> argparse.ArgumentParser:
     chat.set_defaults(run=cmd_chat)
     bench = commands.add_parser("bench", help="quick time-to-first-token comparison on the demo pair")
     bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
-    bench.add_argument("--keeps", type=float, nargs="+", default=[0.3])
+    bench.add_argument("--keeps", type=float, nargs="+", default=[EngineConfig.keep])
     bench.add_argument("--runs", type=int, default=1)
     bench.set_defaults(run=cmd_bench)
     evaluate = commands.add_parser("eval", help="quick answer-accuracy check on the demo pair")
@@ -470,9 +476,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    keeps = getattr(args, "keeps", None) or [getattr(args, "keep", 0.3)]
-    if not all(0 < keep <= 1 for keep in keeps):
-        print("error: --keep must be in (0, 1]", file=sys.stderr)
+    keeps = getattr(args, "keeps", None) or [getattr(args, "keep", None)]
+    try:
+        for keep in keeps:
+            if keep is not None:
+                check_keep(keep, "--keep")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     if getattr(args, "max_tokens", 1) < 1:
         print("error: --max-tokens must be at least 1", file=sys.stderr)

@@ -20,3 +20,10 @@ def demo_pair():
     target, tokenizer = load_model()
     draft, _ = load_model(default=DEMO_DRAFT)
     return target, draft, tokenizer
+
+
+@pytest.fixture
+def fresh_cache_dir(tmp_path, monkeypatch):
+    """A cache folder of this test's own (what the engine keeps across processes)."""
+    monkeypatch.setenv("SPECPREFILL_CACHE_DIR", str(tmp_path))
+    return tmp_path

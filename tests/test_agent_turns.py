@@ -8,7 +8,7 @@ import pytest
 from specprefill_engine import Engine
 from specprefill_engine.core import select_chunks
 from specprefill_engine.demo_tasks import AGENT_TOOLS, make_agent_session, make_case
-from specprefill_engine.engine.segments import protected_tokens
+from specprefill_engine.engine.chat import render_chat
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,6 +29,13 @@ def run_turns(engine, session, steps, **options):
     return results
 
 
+
+def protected_tokens(tokenizer, messages: list, ids: np.ndarray, tools=None) -> np.ndarray:
+    """The protected mask of `ids`, the chat's rendered prompt."""
+    rendered = render_chat(tokenizer, messages, tools)
+    assert np.array_equal(rendered.tokens, ids)
+    return rendered.protected
+
 def test_a_grown_prompt_reuses_the_draft_and_the_sparse_turn(session):
     with Engine(reuse_coverage=0.5, densify="off") as engine:  # the gate open enough here
         first, second, third = run_turns(engine, session, 3, specprefill=True)
@@ -39,23 +46,26 @@ def test_a_grown_prompt_reuses_the_draft_and_the_sparse_turn(session):
         shared = before.usage.prompt_tokens
         assert after.usage.draft_cached_tokens >= (shared // step) * step - step
         assert after.specprefill.reuse.startswith("sparse prefix"), after.specprefill.reuse
-        # the target computed about the new tokens: the reused entries are the last
-        # turn's kept prompt and its reply
+        # the target computed about the new tokens and the passages repaired: the reused
+        # entries are the last turn's kept prompt and its reply
         assert after.usage.cached_tokens >= before.specprefill.kept_tokens
         new = after.specprefill.kept_tokens - after.usage.cached_tokens
-        assert new <= after.usage.prompt_tokens - before.usage.prompt_tokens
+        reuse = after.specprefill.reuse
+        repaired = int(reuse.split("chunks (")[1].split(" tokens")[0]) if "repaired" in reuse else 0
+        assert new <= after.usage.prompt_tokens - before.usage.prompt_tokens + repaired
 
 
-def test_a_question_about_what_the_last_turn_dropped_is_selected_anew(demo_pair):
+def test_a_question_about_what_the_last_turn_dropped_repairs_the_view(demo_pair):
     _, _, tokenizer = demo_pair
-    # turn 1 asks for the fact near the start, turn 2 for the one near the end; with
-    # a strict gate the stored selection cannot serve turn 2
+    # turn 1 asks for the fact near the start, turn 2 for the one near the end: the
+    # stored selection lacks what turn 2 needs, and it is added to the stored view
     session = make_agent_session(tokenizer, 3, 3000, 2)
     with Engine(reuse_coverage=0.999, keep=0.1, densify="off") as engine:
         first, second = run_turns(engine, session, 2, specprefill=True)
     assert second.specprefill.engaged
-    assert second.specprefill.reuse.startswith("selected anew"), second.specprefill.reuse
-    assert "covers" in second.specprefill.reuse
+    reuse = second.specprefill.reuse
+    assert reuse.startswith("sparse prefix") and "repaired: +" in reuse, reuse
+    assert float(reuse.split("coverage ")[1].split(",")[0]) < 0.999  # the gate alone: anew
 
 
 def test_tool_definitions_and_the_system_prompt_are_never_dropped(demo_pair):

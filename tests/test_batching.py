@@ -14,6 +14,7 @@ from specprefill_engine.core import sparse_prefill_steps
 from specprefill_engine.core.scoring import run_steps
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.engine.batch import as_batch_of_one, batching_support
+from specprefill_engine.engine.state import Status
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -125,7 +126,7 @@ async def test_no_wrapper_is_on_either_model_between_decode_steps():
     """Checked on the worker, at every decode step of a stream (its logits processor
     runs inside the step) while SpecPrefill requests score and prefill around it."""
     async with Engine(threshold=256) as engine:
-        runtime = engine._scheduler.runtime
+        runtime = engine._worker.runtime
         seen = []
 
         def check(generated, logits):
@@ -148,7 +149,8 @@ async def test_admission_beyond_the_batch_size_or_kv_budget_waits_and_never_fail
 
         async def watch():
             while True:
-                seen.append(len(engine._scheduler._decoding))
+                seen.append(sum(s.status is Status.DECODING
+                               for s in list(engine._worker.requests.values())))
                 await asyncio.sleep(0.002)
 
         watcher = asyncio.create_task(watch())

@@ -183,11 +183,11 @@ def test_passkey_quality_at_keep_30_percent(demo_pair):
 @pytest.mark.parametrize("balanced", [False, True])
 def test_chunked_prefill_last_logits_whatever_the_chunking(demo_pair, balanced):
     """Fixed or cost-balanced chunks, a prompt that is no multiple of the step: the
-    last token's logits equal one forward's, a prefix cut by `grid_cut` is a chunk end
+    last token's logits equal one forward's, a prefix cut on the grid is a chunk end
     of every longer prompt (so a cached prefix continues in the same chunks as from
     scratch), and a small last chunk runs without a pause before it."""
     from specprefill_engine.core import chunked_prefill
-    from specprefill_engine.core.prefill import chunk_plan, grid_cut, prefill_weight
+    from specprefill_engine.core.prefill import chunk_plan, prefill_weight
 
     target, _, _ = demo_pair
     ids = mx.array(np.random.default_rng(3).integers(10, 4000, 720))
@@ -210,8 +210,9 @@ def test_chunked_prefill_last_logits_whatever_the_chunking(demo_pair, balanced):
         assert chunks == [256, 488, 702, 720] and ends == [256, 488, 720]
     else:
         assert chunks == ends == [256, 512, 720]
+    grid = [end for end, _ in chunk_plan(100_000, 0, 256, weight)]  # a prefill from 0
     for shared in range(1, 721):
-        cut = grid_cut(shared, 256, weight)
+        cut = max([0, *(end for end in grid if end <= shared)])
         assert cut <= shared and (cut == 0 or cut in chunks), shared
 
 

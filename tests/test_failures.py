@@ -2,7 +2,7 @@
 in one of its steps, that request ends with an error and every other request ends as
 if it had run alone; the engine serves the next request.
 
-Faults are injected at each stage of the executor (`Executor.faults`: restore, prefill,
+Faults are injected at each stage of the executor (`tests/faults.py`: restore, prefill,
 join, decode, store), in a request's logits processor (sample) and in its output
 processing (output), for one request of a batch of 8. On 0945836 (checked with the same
 faults raised from `DecodeBatch.add`, `OutputProcessor.accept` and `PrefixCache.store`)
@@ -13,8 +13,10 @@ a failing prefill chunk, restore or processor already failed its request alone.
 """
 
 import asyncio
+from contextlib import ExitStack
 
 import pytest
+from faults import executor_fault
 
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_case
@@ -46,7 +48,7 @@ def alone(engine) -> list:
 
 
 def _handle_is_victim(engine, handle: int) -> bool:
-    state = engine._scheduler.requests.get(VICTIM)
+    state = engine._worker.find(VICTIM)
     return state is not None and state.handle == handle
 
 
@@ -60,8 +62,8 @@ async def test_a_failure_at_any_stage_fails_only_its_request(engine, alone, stag
     requests = batch(engine)
     victim = requests[3]
     victim["request_id"] = VICTIM
-    executor = engine._scheduler.executor
     fired, handles = [], []  # the victim's handle, seen while it runs
+    faults = ExitStack()
 
     def fault(handle):
         if _handle_is_victim(engine, handle) or handle in handles:
@@ -69,11 +71,11 @@ async def test_a_failure_at_any_stage_fails_only_its_request(engine, alone, stag
             raise Fault(f"injected at {stage}")
 
     if stage in ("restore", "prefill", "join", "decode", "store"):
-        executor.faults[stage] = fault
+        faults.enter_context(executor_fault(stage, fault))
     if stage == "store":  # stored as the request ends: its handle is noted at its prefill
         victim["cache_prompt"] = True  # it must succeed, its cache left out
-        executor.faults["prefill"] = lambda handle: handles.extend(
-            [handle] if _handle_is_victim(engine, handle) else [])
+        faults.enter_context(executor_fault("prefill", lambda handle: handles.extend(
+            [handle] if _handle_is_victim(engine, handle) else [])))
     if stage == "sample":
         def processor(generated, logits):
             if generated.size >= 2:
@@ -83,16 +85,23 @@ async def test_a_failure_at_any_stage_fails_only_its_request(engine, alone, stag
     if stage == "output":
         accept = OutputProcessor.accept
 
-        def faulty(self, token):
+        def faulty(self, token, logprob=None):
             if self.request_id == VICTIM and len(self.tokens) >= 2:
                 raise Fault("injected at output")
-            return accept(self, token)
+            return accept(self, token, logprob)
         monkeypatch.setattr(OutputProcessor, "accept", faulty)
     try:
-        outcomes = await asyncio.wait_for(asyncio.gather(
-            *(engine.generate(**request) for request in requests), return_exceptions=True), HANG)
+        with faults:
+            outcomes = await asyncio.wait_for(asyncio.gather(
+                *(engine.generate(**request) for request in requests),
+                return_exceptions=True), HANG)
+            if stage == "store":  # the store runs in a turn after the victim's result
+                for _ in range(500):
+                    if fired:
+                        break
+                    await asyncio.sleep(0.01)
     finally:
-        executor.faults.clear()
+        faults.close()
     if stage == "store":  # the victim succeeds: the fault must still have been raised
         assert fired
     for index, outcome in enumerate(outcomes):

@@ -55,7 +55,7 @@ async def test_cancelling_the_first_request_while_loading_leaves_the_engine_usab
         result = await asyncio.wait_for(engine.generate("def f():", max_tokens=3), HANG)
         assert result.usage.completion_tokens >= 1
         assert engine.tokenizer.encode("x")
-        assert engine._scheduler.thread.is_alive()
+        assert engine._worker.thread.is_alive()
     finally:
         await engine.shutdown()
 
@@ -95,7 +95,7 @@ async def test_requests_submitted_while_shutdown_runs_all_end():
             aborted += 1
     assert refused + aborted == 6
     assert outcomes[0].finish_reason == "abort"
-    assert not engine.active_request_ids and not engine._scheduler.thread.is_alive()
+    assert not engine.active_request_ids and not engine._worker.thread.is_alive()
     with pytest.raises(RuntimeError, match="shut down"):
         await engine.generate("def f():", max_tokens=2)
 
@@ -126,8 +126,8 @@ async def test_when_the_worker_dies_every_caller_gets_an_error_naming_the_cause(
         assert isinstance(outcome, EngineFailedError) and "boom" in str(outcome), outcome
     with pytest.raises(EngineFailedError, match="boom"):
         await engine.generate("def f():", max_tokens=2)
-    engine._scheduler.thread.join(HANG)
-    assert not engine._scheduler.thread.is_alive()
+    engine._worker.thread.join(HANG)
+    assert not engine._worker.thread.is_alive()
     await engine.shutdown()
 
 
@@ -428,7 +428,7 @@ def test_the_package_logs_through_logging_and_prints_nothing_by_default():
                           capture_output=True, text=True, timeout=HANG)
     assert quiet.stdout.strip() == loud.stdout.strip() == "failed as expected"
     assert quiet.stderr == ""
-    assert "specprefill_engine.engine.scheduler" in loud.stderr and "processor bug" in loud.stderr
+    assert "specprefill_engine.engine.worker" in loud.stderr and "processor bug" in loud.stderr
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or mx.default_device() != mx.cpu

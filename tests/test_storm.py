@@ -108,6 +108,6 @@ async def test_cancellation_storm_leaves_the_engine_as_fresh():
                 break
             await asyncio.sleep(0.05)
         assert engine.active_request_ids == []
-        runtime = engine._scheduler.runtime
+        runtime = engine._worker.runtime
         assert wrappers_left(runtime.model) == [] and wrappers_left(runtime.scorer.model) == []
         assert await reference_outputs(engine, cases) == expected

@@ -65,18 +65,6 @@ class ServerState:
     created: int
 
 
-def engine_problem(engine: Engine) -> Optional[str]:
-    """Why the engine cannot serve, or None. (Reads the worker's state: the Engine has
-    no public flag for it yet.)"""
-    scheduler = getattr(engine, "_scheduler", None)
-    failure = getattr(scheduler, "failure", None)
-    if failure is not None:
-        return f"the engine failed: {failure!r}"
-    if getattr(scheduler, "closed", False):
-        return "the engine is shut down"
-    return None
-
-
 class Guard:
     """ASGI middleware: the API key, then the body size (the body is read here, up to
     the limit, and handed on), so a refused request costs no parsing."""
@@ -194,7 +182,7 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None) -> FastAPI
 
     @app.get("/health")
     async def health():
-        problem = engine_problem(engine)
+        problem = engine.health()
         if problem is not None:
             return JSONResponse({"status": "unavailable", "reason": problem}, 503)
         if state.gate.draining:

@@ -3,18 +3,22 @@
 
 Request bodies are pydantic models that refuse unknown fields, as OpenAI does. Fields
 of the API that change nothing on a local engine (`user`, `metadata`, `store`, ...)
-are accepted; fields whose effect is not served (`n` > 1, `logprobs`, audio, ...) are
+are accepted; fields whose effect is not served (audio, `prediction`, ...) are
 refused with a 400 naming them. Extensions, sent in the body (the clients'
 `extra_body`): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `keep`,
 `specprefill`, `threshold`, `chat_template_kwargs`, `progress` (prefill progress
 events instead of bare keep-alives). Responses carry the engine's report under
 `specprefill` and its `timings`.
+
+`n` choices run as n requests decoding together in the engine's batch (row i seeded
+`seed` + i); `logprobs` are the engine's `TokenLogprob`s (log_softmax of the model's
+logits, before processors, penalties and temperature).
 """
 
 import json
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
@@ -22,13 +26,16 @@ from mlx_lm.sample_utils import make_logits_processors
 from pydantic import ConfigDict, Field
 from starlette.responses import JSONResponse
 
+from specprefill_engine.engine.sampling import MAX_LOGPROBS
+
 from .chat import Call, Extensions, Loose, given_options, prepare, read_events, report
 from .errors import APIError, openai_body
-from .streaming import EventStream, output_events, whole_result
+from .streaming import EventStream, merged, output_events, whole_results
 
 router = APIRouter()
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FINISH = {"stop": "stop", "length": "length"}
+MAX_N = 128  # choices per request (OpenAI's bound)
 
 
 class Function(Loose):
@@ -78,7 +85,7 @@ class Common(Extensions):
     top_p: Optional[float] = Field(None, gt=0, le=1)
     seed: Optional[int] = None
     stop: Union[str, list[str], None] = None
-    n: Optional[int] = None
+    n: Optional[int] = Field(None, ge=1, le=MAX_N)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     logit_bias: Optional[dict[str, float]] = None
@@ -95,7 +102,7 @@ class ChatRequest(Common):
     response_format: Optional[dict] = None
     reasoning_effort: Optional[str] = None
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: Optional[dict] = None
     # accepted; nothing to do on a local engine
     metadata: Optional[dict] = None
@@ -118,7 +125,7 @@ class ChatRequest(Common):
 
 class CompletionRequest(Common):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Optional[bool] = None
     suffix: Optional[str] = None
     best_of: Optional[int] = None
@@ -133,14 +140,8 @@ def _refuse_unserved(body: Common) -> None:
         if getattr(body, name, None) is not None:
             raise APIError(400, f"{name} is not served by this server (a local text model)",
                            name)
-    if body.n not in (None, 1):
-        raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", "n")
     if getattr(body, "modalities", None) not in (None, ["text"]):
         raise APIError(400, "modalities: only ['text'] is served", "modalities")
-    if getattr(body, "logprobs", None) or getattr(body, "top_logprobs", None):
-        name = "top_logprobs" if getattr(body, "top_logprobs", None) else "logprobs"
-        raise APIError(400, f"{name} is not served (the engine returns no log-probabilities)",
-                       name)
     if getattr(body, "echo", None) or getattr(body, "suffix", None):
         raise APIError(400, "echo and suffix are not served", "echo" if body.echo else "suffix")
     if getattr(body, "best_of", None) not in (None, 1):
@@ -165,6 +166,16 @@ def _processors(body: Common, vocab_size: int, max_tokens: int) -> list:
         frequency_context_size=max_tokens)
 
 
+def logprobs_asked(body: Common) -> Optional[int]:
+    """The engine's `logprobs` (alternatives per token; None: none): chat's `logprobs`
+    with `top_logprobs`, completions' `logprobs` count."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
 def engine_options(body: Common, info, max_tokens: Optional[int]) -> dict:
     """The engine's keyword arguments for the sampling fields; no max_tokens given
     means the rest of the context (as OpenAI does), clamped to fit."""
@@ -179,7 +190,69 @@ def engine_options(body: Common, info, max_tokens: Optional[int]) -> dict:
     processors = _processors(body, info.vocab_size, options.get("max_tokens", 256))
     if processors:
         options["logits_processors"] = processors
+    logprobs = logprobs_asked(body)
+    if logprobs is not None:
+        options["logprobs"] = logprobs
     return options
+
+
+def choice_rows(state, body: Common, call: Call, response_id: str) -> list:
+    """The request's `n` choices as (Call, request id): row i seeded with `seed` + i, so
+    it is what a single request with that seed gives (unseeded rows sample apart)."""
+    n = body.n or 1
+    limit = state.gate.limit
+    if limit is not None and n > limit:
+        raise APIError(400, f"n is {n}, more than the {limit} requests this server takes at "
+                       "once", "n")
+    if n == 1:
+        return [(call, response_id)]
+    seed = call.options.get("seed")
+    return [(call if seed is None else replace(call, options=dict(call.options, seed=seed + i)),
+             f"{response_id}-{i}") for i in range(n)]
+
+
+def _logprob(value: float) -> float:
+    return max(value, -9999.0)  # OpenAI's value for "very unlikely"; JSON has no -Infinity
+
+
+def chat_logprobs(tokenizer, logprobs: Optional[list]) -> Optional[dict]:
+    """TokenLogprobs -> a chat choice's `logprobs` ({"content": [...]})."""
+    if logprobs is None:
+        return None
+
+    def entry(token: int, value: float) -> dict:
+        text = tokenizer.decode([token])
+        return {"token": text, "logprob": _logprob(value), "bytes": list(text.encode())}
+
+    return {"content": [dict(entry(lp.token, lp.logprob),
+                             top_logprobs=[entry(t, v) for t, v in lp.top]) for lp in logprobs],
+            "refusal": None}
+
+
+def completion_logprobs(tokenizer, logprobs: Optional[list], offset: int = 0) -> Optional[dict]:
+    """TokenLogprobs -> a completion choice's `logprobs` (tokens, token_logprobs,
+    top_logprobs: the alternatives and the chosen token, text_offset from `offset`)."""
+    if logprobs is None:
+        return None
+    shaped = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in logprobs:
+        text = tokenizer.decode([lp.token])
+        top = {tokenizer.decode([t]): _logprob(v) for t, v in lp.top}
+        top.setdefault(text, _logprob(lp.logprob))
+        for name, value in zip(shaped, (text, _logprob(lp.logprob), top, offset)):
+            shaped[name].append(value)
+        offset += len(text)
+    return shaped
+
+
+def summed_usage(results: list):
+    """n choices' usage as OpenAI counts it: the prompt once, every choice's tokens."""
+    return replace(results[0].usage,
+                   completion_tokens=sum(r.usage.completion_tokens for r in results))
+
+
+def warnings_of(results: list) -> list:
+    return list(dict.fromkeys(w for r in results for w in r.warnings))
 
 
 # chat completions ------------------------------------------------------------------
@@ -269,74 +342,98 @@ def stream_error(error: APIError) -> bytes:
     return b"data: " + json.dumps(openai_body(error)).encode() + b"\n\n"
 
 
-async def sse(state, body: Common, call: Call, response_id: str, object_: str, choice,
-              opening: Optional[str] = None):
-    """The SSE frame both endpoints share: the `opening` choice (None: a comment) once
-    the engine has the request, keep-alives and progress while the prefill runs,
-    `choice(kind, value)` -> the choice JSON text of one output event, the engine's
-    report after the last one, the usage chunk, `[DONE]`."""
+async def sse(state, body: Common, rows: list, response_id: str, object_: str, make_choice,
+              opening=None):
+    """The SSE frame both endpoints share, over the `rows` (Call, request id) of the `n`
+    choices: `opening(index)` (None: a comment) once the engine has a row, keep-alives and
+    progress while the prefill runs, `choice(kind, value, logprobs)` -> the choice JSON
+    text of one output event (`make_choice(index)` makes one per row; `logprobs`: the
+    row's TokenLogprobs since its last choice, None unasked), the engine's report after a
+    row's last one, the usage chunk (every row's summed), `[DONE]`."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     head = ('data: {"id":"%s","object":"%s","created":%d,"model":%s,'
             % (response_id, object_, int(time.time()), json.dumps(state.model_name)))
     tail = ',"usage":null}\n\n' if include_usage else "}\n\n"
-    async for kind, value in output_events(state.engine, state.gate, call, response_id,
-                                           state.config.keepalive, body.progress):
-        if kind == "ping" or (kind == "open" and opening is None):
+    choices = [make_choice(index) for index in range(len(rows))]
+    unsent = [None] * len(rows)  # per row: its TokenLogprobs not yet in a choice
+    finals = []
+    streams = [output_events(state.engine, state.gate, call, request_id, state.config.keepalive,
+                             body.progress) for call, request_id in rows]
+    async for index, (kind, value) in merged(streams):
+        if kind == "logprobs":
+            unsent[index] = (unsent[index] or []) + value
+        elif kind == "ping" or (kind == "open" and opening is None):
             yield b": keep-alive\n\n"
         elif kind == "open":
-            yield f'{head}"choices":[{opening}]{tail}'.encode()
+            yield f'{head}"choices":[{opening(index)}]{tail}'.encode()
         elif kind == "progress":
             yield f'{head}"choices":[],"progress":{json.dumps(asdict(value))}{tail}'.encode()
-        elif kind != "end":
-            yield f'{head}"choices":[{choice(kind, value)}]{tail}'.encode()
         else:
+            logprobs, unsent[index] = unsent[index], None if unsent[index] is None else []
+            text = choices[index](kind, value, logprobs)
+            if kind != "end":
+                yield f'{head}"choices":[{text}]{tail}'.encode()
+                continue
             extra = json.dumps(report(value))[1:-1]
-            yield f'{head}"choices":[{choice(kind, value)}],{extra}{tail}'.encode()
-            if include_usage:
-                yield f'{head}"choices":[],"usage":{json.dumps(usage(value.usage))}}}\n\n'.encode()
+            yield f'{head}"choices":[{text}],{extra}{tail}'.encode()
+            finals.append(value)
+    if include_usage:
+        yield f'{head}"choices":[],"usage":{json.dumps(usage(summed_usage(finals)))}}}\n\n'.encode()
     yield b"data: [DONE]\n\n"
 
 
-def _delta(text: str, finish: str = "null") -> str:
-    return f'{{"index":0,"delta":{text},"logprobs":null,"finish_reason":{finish}}}'
+def _delta(text: str, finish: str = "null", index: int = 0, logprobs: str = "null") -> str:
+    return f'{{"index":{index},"delta":{text},"logprobs":{logprobs},"finish_reason":{finish}}}'
 
 
-ROLE_DELTA = _delta('{"role":"assistant","content":""}')  # opens a reply, as OpenAI's does
+def role_delta(index: int) -> str:
+    return _delta('{"role":"assistant","content":""}', index=index)  # opens a reply, as OpenAI's
 
 
-def chat_choices():
-    """Output events -> chat.completion.chunk choices (the last one says "tool_calls"
-    when the reply made calls)."""
-    called = False
+def chat_choices(tokenizer):
+    """`make_choice` for chat: output events -> chat.completion.chunk choices (the last
+    one says "tool_calls" when the reply made calls)."""
 
-    def choice(kind: str, value) -> str:
-        nonlocal called
-        if kind == "content" or (kind == "tool_call" and value.error is not None):
-            return _delta('{"content":%s}' % json.dumps(value if kind == "content" else value.args))
-        if kind == "reasoning":
-            return _delta('{"reasoning_content":%s}' % json.dumps(value))
-        if kind == "tool_call":
-            called = True
-            return _delta(json.dumps({"tool_calls": [dict(_call_json(value), index=value.index)]}))
-        return _delta("{}", json.dumps(_finish(value.finish_reason, called)))
+    def make_choice(index: int):
+        called = False
 
-    return choice
+        def choice(kind: str, value, logprobs=None) -> str:
+            nonlocal called
+            finish = "null"
+            if kind == "content" or (kind == "tool_call" and value.error is not None):
+                text = '{"content":%s}' % json.dumps(value if kind == "content" else value.args)
+            elif kind == "reasoning":
+                text = '{"reasoning_content":%s}' % json.dumps(value)
+            elif kind == "tool_call":
+                called = True
+                text = json.dumps({"tool_calls": [dict(_call_json(value), index=value.index)]})
+            else:
+                text, finish = "{}", json.dumps(_finish(value.finish_reason, called))
+            return _delta(text, finish, index, json.dumps(chat_logprobs(tokenizer, logprobs)))
+
+        return choice
+
+    return make_choice
 
 
-def chat_reply(state, call: Call, response_id: str, result) -> JSONResponse:
-    output = read_events(call.reply(state.engine.tokenizer, result))
-    message = {"role": "assistant", "content": output.content or
-               (None if output.calls else ""), "refusal": None}
-    if output.reasoning:
-        message["reasoning_content"] = output.reasoning
-    if output.calls:
-        message["tool_calls"] = [_call_json(c) for c in output.calls]
+def chat_reply(state, call: Call, response_id: str, results: list) -> JSONResponse:
+    tokenizer = state.engine.tokenizer
+    choices = []
+    for index, result in enumerate(results):
+        output = read_events(call.reply(tokenizer, result))
+        message = {"role": "assistant", "content": output.content or
+                   (None if output.calls else ""), "refusal": None}
+        if output.reasoning:
+            message["reasoning_content"] = output.reasoning
+        if output.calls:
+            message["tool_calls"] = [_call_json(c) for c in output.calls]
+        choices.append({"index": index, "message": message,
+                        "logprobs": chat_logprobs(tokenizer, result.logprobs),
+                        "finish_reason": _finish(result.finish_reason, bool(output.calls))})
     return JSONResponse({
         "id": response_id, "object": "chat.completion", "created": int(time.time()),
-        "model": state.model_name,
-        "choices": [{"index": 0, "message": message, "logprobs": None,
-                     "finish_reason": _finish(result.finish_reason, bool(output.calls))}],
-        "usage": usage(result.usage), **report(result), "warnings": result.warnings})
+        "model": state.model_name, "choices": choices, "usage": usage(summed_usage(results)),
+        **report(results[0]), "warnings": warnings_of(results)})
 
 
 @router.post("/v1/chat/completions")
@@ -344,11 +441,12 @@ async def chat_completions(body: ChatRequest, request: Request):
     state = request.app.state.server
     call = await chat_call(state, body)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    rows = choice_rows(state, body, call, response_id)
     if body.stream:
-        return EventStream(sse(state, body, call, response_id, "chat.completion.chunk",
-                               chat_choices(), ROLE_DELTA), stream_error,
+        return EventStream(sse(state, body, rows, response_id, "chat.completion.chunk",
+                               chat_choices(state.engine.tokenizer), role_delta), stream_error,
                            ChatRequest.model_fields)
-    return chat_reply(state, call, response_id, await whole_result(request, call, response_id))
+    return chat_reply(state, call, response_id, await whole_results(request, *zip(*rows)))
 
 
 # completions -----------------------------------------------------------------------
@@ -362,27 +460,45 @@ def _prompt(prompt) -> Union[str, list]:
     return prompt
 
 
-def text_choice(kind: str, value) -> str:
-    """Output events -> text_completion choices."""
-    text, finish = (value, None) if kind == "content" else ("", FINISH.get(
-        value.finish_reason, value.finish_reason))
-    return (f'{{"text":{json.dumps(text)},"index":0,"logprobs":null,'
-            f'"finish_reason":{json.dumps(finish)}}}')
+def text_choices(tokenizer):
+    """`make_choice` for completions: output events -> text_completion choices."""
+
+    def make_choice(index: int):
+        offset = 0  # the text so far, for logprobs' text_offset
+
+        def choice(kind: str, value, logprobs=None) -> str:
+            nonlocal offset
+            text, finish = (value, None) if kind == "content" else ("", FINISH.get(
+                value.finish_reason, value.finish_reason))
+            lp = completion_logprobs(tokenizer, logprobs, offset)
+            offset += sum(len(token) for token in lp["tokens"]) if lp else 0
+            return (f'{{"text":{json.dumps(text)},"index":{index},"logprobs":{json.dumps(lp)},'
+                    f'"finish_reason":{json.dumps(finish)}}}')
+
+        return choice
+
+    return make_choice
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     state = request.app.state.server
+    tokenizer = state.engine.tokenizer
     options = engine_options(body, state.engine.info, body.max_tokens or COMPLETION_MAX_TOKENS)
     call = Call(_prompt(body.prompt), options, stops=tuple(options.get("stop") or ()), raw=True)
     response_id = f"cmpl-{uuid.uuid4().hex}"
+    rows = choice_rows(state, body, call, response_id)
     if body.stream:
-        return EventStream(sse(state, body, call, response_id, "text_completion", text_choice),
+        return EventStream(sse(state, body, rows, response_id, "text_completion",
+                               text_choices(tokenizer)),
                            stream_error, CompletionRequest.model_fields)
-    result = await whole_result(request, call, response_id)
+    results = await whole_results(request, *zip(*rows))
     return JSONResponse({
         "id": response_id, "object": "text_completion", "created": int(time.time()),
         "model": state.model_name,
-        "choices": [{"text": result.text, "index": 0, "logprobs": None,
-                     "finish_reason": FINISH.get(result.finish_reason, result.finish_reason)}],
-        "usage": usage(result.usage), **report(result), "warnings": result.warnings})
+        "choices": [{"text": result.text, "index": index,
+                     "logprobs": completion_logprobs(tokenizer, result.logprobs),
+                     "finish_reason": FINISH.get(result.finish_reason, result.finish_reason)}
+                    for index, result in enumerate(results)],
+        "usage": usage(summed_usage(results)), **report(results[0]),
+        "warnings": warnings_of(results)})

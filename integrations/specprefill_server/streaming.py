@@ -78,7 +78,8 @@ async def output_events(engine, gate: Gate, call: Call, request_id: str, keepali
     response's headers can go: the request is valid), then, while it waits for its first
     token, ("ping", None) every `keepalive` seconds, or ("progress", Progress) when the
     client asked for it and the prefill moved; then the parser's ("content" |
-    "reasoning" | "tool_call", value) events, then ("end", final chunk, its token_ids
+    "reasoning" | "tool_call", value) events, each chunk's led by ("logprobs", its
+    TokenLogprobs) when the call asked for them, then ("end", final chunk, its token_ids
     those of the whole reply). Whether the engine has it is polled at 1, 2, 4, ... ms:
     the headers then reach the client while the prefill runs, not with the first token."""
     with gate.admitted(request_id):
@@ -107,6 +108,8 @@ async def output_events(engine, gate: Gate, call: Call, request_id: str, keepali
             tokens = []
             while True:
                 tokens += chunk.token_ids
+                if chunk.logprobs is not None:
+                    yield "logprobs", chunk.logprobs
                 for event in call.read(parser, chunk.text, chunk.finish_reason):
                     yield event
                 if chunk.finish_reason is not None:
@@ -134,19 +137,67 @@ async def race(*coroutines) -> list:
     return tasks
 
 
-async def whole_result(request, call: Call, request_id: str) -> Result:
-    """A request run to its Result; the client leaving aborts it."""
+async def merged(streams: list) -> AsyncIterator[tuple]:
+    """(index, event) from several event streams as each has one; the first error ends
+    them all (the others are cancelled and closed, which aborts their requests)."""
+    if len(streams) == 1:  # one request: its events as they are, no task per event
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for event in stream:
+                yield 0, event
+        return
+    pending = {asyncio.ensure_future(stream.__anext__()): i for i, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                index = pending.pop(task)
+                try:
+                    event = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(streams[index].__anext__())] = index
+                yield index, event
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+async def all_of(coroutines) -> list:
+    """Their results; on the first error (or a cancellation) the others are cancelled."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def whole_results(request, calls: list, request_ids: list) -> list:
+    """Requests run together to their Results (the rows of one `n`); the client leaving
+    aborts them all."""
     state = request.app.state.server
-    with state.gate.admitted(request_id):
-        task, _ = await race(state.engine.generate(call.prompt, request_id=request_id,
-                                                   **call.options),
+    with contextlib.ExitStack() as admitted:
+        for request_id in request_ids:
+            admitted.enter_context(state.gate.admitted(request_id))
+        task, _ = await race(all_of(state.engine.generate(call.prompt, request_id=request_id,
+                                                          **call.options)
+                                    for call, request_id in zip(calls, request_ids)),
                              until_disconnected(request.receive))
         if task.cancelled():
             raise ClientGone()
-        result = task.result()
-        if result.finish_reason == "abort":
+        results = task.result()
+        if any(result.finish_reason == "abort" for result in results):
             raise state.gate.aborted()
-        return result
+        return results
+
+
+async def whole_result(request, call: Call, request_id: str) -> Result:
+    """A request run to its Result; the client leaving aborts it."""
+    return (await whole_results(request, [call], [request_id]))[0]
 
 
 class EventStream(Response):

@@ -50,10 +50,9 @@ def unit_weight(model: nn.Module) -> float:
 
 def prefill_weight(model: nn.Module, balanced: Optional[bool] = None) -> float:
     """The weight chunks are balanced by: `unit_weight` where balanced, else 0. By
-    default balanced on a CPU only: there attention dominates a chunk at long context
-    (the demo target's 64-token chunk costs 8x more at 8K than at 0), while a GPU's
-    attention is cheap next to the cost of small chunks (balanced 2048-token chunks made
-    an 8B target's dense prefill 14% slower at 32K and 28% at 64K on an H200)."""
+    default balanced on a CPU only: there attention dominates a chunk at long context,
+    while a GPU's attention is cheap next to the cost of small chunks (both measured:
+    docs/how-it-works.md, "Batching")."""
     if balanced is None:
         balanced = mx.default_device() == mx.cpu
     return unit_weight(model) if balanced else 0.0
@@ -87,12 +86,6 @@ def _unit_ends(cached: int, step_size: int, weight: float) -> Iterator[int]:
     while True:
         end += unit_tokens(step_size, cached + end, weight)
         yield end
-
-
-def grid_cut(length: int, step_size: int, weight: float) -> int:
-    """The last chunk end at or below `length` when prefilling from 0: a cached prefix
-    cut there is continued in the same chunks as from scratch (bit-identical KV)."""
-    return max([0, *takewhile(lambda end: end <= length, _unit_ends(0, step_size, weight))])
 
 
 def chunk_plan(total: int, cached: int, step_size: int, weight: float) -> list:

@@ -93,7 +93,8 @@ def layer_importance(query: mx.array, keys: mx.array, scale: float, pool_kernel:
     return pooled.max(axis=(0, 1))
 
 
-def _scored_sites(model, prompt_length: int, cache) -> list[AttentionSite]:
+def scored_sites(model, prompt_length: int, cache) -> list[AttentionSite]:
+    """The draft's attention layers whose caches see the whole prompt."""
     sites = [
         site
         for site in attention_sites(model)
@@ -146,9 +147,9 @@ def _masked_layer_importance(query, keys, scale, pool_kernel, n_window, prompt_l
 
 
 def default_draft_step_size() -> int:
-    """Draft prefill chunk for scoring on this device: large on a GPU, where a chunk
-    of 2048 tokens leaves the 0.6B-class draft bound by per-call overhead (8192 measured
-    on an H200: docs/benchmarks.md); on a CPU small, so other requests interleave."""
+    """Draft prefill chunk for scoring on this device: large on a GPU, where smaller
+    chunks leave a 0.6B-class draft bound by per-call overhead (docs/benchmarks.md); on
+    a CPU small, so other requests interleave."""
     return 128 if mx.default_device() == mx.cpu else 8192
 
 
@@ -158,6 +159,83 @@ def capture_start(prompt_length: int, step_size: int, n_window: int = 1) -> int:
     that cannot be cut must be restored at or before it)."""
     start = max(((prompt_length - 1) // step_size) * step_size, 0)
     return min(start, prompt_length - min(n_window, prompt_length))
+
+
+def score_plan(prompt_length: int, cached: int, step_size: int, n_window: int,
+               trimmable: bool) -> tuple[int, int]:
+    """Where scoring starts and where its capturing chunk starts: (cached, capture_from).
+    A draft cache restored past the grid's last chunk is cut back to it when it can be
+    (the same chunks as from scratch, so the importance is a fresh draft's); one that
+    cannot be cut is continued from where it is."""
+    n_window = min(n_window, prompt_length)
+    last_start = capture_start(prompt_length, step_size, n_window)
+    if cached > last_start and trimmable:
+        cached = last_start
+    return cached, max(last_start, min(cached, prompt_length - n_window))
+
+
+def capture_window(draft_model: nn.Module, tokens: mx.array, cache, sites, n_window: int,
+                   n_lookahead: int, temperature: float = 0.0):
+    """The prompt's last chunk through the draft, capturing the window's queries (the last
+    prompt token's is lookahead step 1): (per site its queries, the next lookahead token
+    or None), evaluated."""
+    logits, window = _forward_capturing_queries(draft_model, tokens, cache, sites,
+                                                keep_last=n_window)
+    if n_lookahead > 1:
+        token = _next_token(logits, temperature)
+        mx.eval(token, window)
+    else:  # no decode step follows: the chunk's logits (its lm_head) are never computed
+        token = None
+        mx.eval(window)
+    return [[query] for query in window], token
+
+
+def lookahead_step(draft_model: nn.Module, token: mx.array, cache, sites, queries: list,
+                   temperature: float = 0.0) -> mx.array:
+    """One draft decode step from `token`; its queries join `queries`; the next token,
+    queued."""
+    logits, step_queries = _forward_capturing_queries(draft_model, token, cache, sites)
+    token = _next_token(logits, temperature)
+    for layer_queries, query in zip(queries, step_queries):
+        layer_queries.append(query)
+    mx.async_eval(token, step_queries)
+    return token
+
+
+def importance_of(draft_model: nn.Module, sites, queries: list, cache, prompt_length: int,
+                  pool_kernel: int, n_window: int) -> mx.array:
+    """Every layer's queries against its cached prompt keys, reduced to one importance
+    per prompt token (max over layers x heads, mean over queries), evaluated."""
+    n_window = min(n_window, prompt_length)
+    importance = None
+    for site, layer_queries in zip(sites, queries):
+        keys = cache[site.cache_index].keys[..., :prompt_length, :]
+        step_axis = 2 if site.query_source == "rope" else 1
+        query = _as_heads(mx.concatenate(layer_queries, axis=step_axis), site, keys.shape[-1])
+        if query.shape[-1] != keys.shape[-1] or query.shape[1] % keys.shape[1]:
+            raise UnsupportedModelError(
+                f"{type(draft_model).__module__}: rotated queries {tuple(query.shape)} do not "
+                f"match cached keys {tuple(keys.shape)} (latent attention such as MLA caches "
+                "a compressed key); use a draft with standard attention"
+            )
+        scale = getattr(site.attention, "scale", query.shape[-1] ** -0.5)
+        layer = _masked_layer_importance(query, keys, scale, pool_kernel, n_window, prompt_length)
+        importance = layer if importance is None else mx.maximum(importance, layer)
+    importance = importance.mean(axis=0)
+    mx.eval(importance)
+    return importance
+
+
+def check_score_arguments(prompt_length: int, n_lookahead: int, n_window: int,
+                          step_size: int) -> None:
+    if prompt_length < 1:
+        raise ValueError("cannot score an empty prompt")
+    if n_lookahead < 1:
+        raise ValueError("n_lookahead must be at least 1")
+    if n_window < 1:
+        raise ValueError("n_window must be at least 1")
+    if step_size < 1:
+        raise ValueError(f"step_size must be >= 1, got {step_size}")
 
 
 def score_steps(
@@ -189,67 +267,32 @@ def score_steps(
     tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
     tokens = tokens.reshape(-1)
     prompt_length = tokens.size
-    if prompt_length < 1:
-        raise ValueError("cannot score an empty prompt")
-    if n_lookahead < 1:
-        raise ValueError("n_lookahead must be at least 1")
-    if n_window < 1:
-        raise ValueError("n_window must be at least 1")
-    if step_size < 1:
-        raise ValueError(f"step_size must be >= 1, got {step_size}")
+    check_score_arguments(prompt_length, n_lookahead, n_window, step_size)
     cache = make_prompt_cache(draft_model) if cache is None else cache
-    sites = _scored_sites(draft_model, prompt_length, cache)
-    n_window = min(n_window, prompt_length)
-    last_start = capture_start(prompt_length, step_size, n_window)
-    cached = cache[sites[0].cache_index].offset
-    if cached > last_start and can_trim_prompt_cache(cache):
+    sites = scored_sites(draft_model, prompt_length, cache)
+    held = cache[sites[0].cache_index].offset
+    cached, capture_from = score_plan(prompt_length, held, step_size, n_window,
+                                      can_trim_prompt_cache(cache))
+    if cached < held:
         for layer in cache:  # back to the grid: the same chunks as from scratch
-            layer.trim(layer.offset - last_start)
-        cached = last_start
-    last_start = max(last_start, min(cached, prompt_length - n_window))
-    plan = chunk_plan(last_start - cached, cached, step_size, 0.0)  # chunked_prefill's yields
+            layer.trim(layer.offset - cached)
+    plan = chunk_plan(capture_from - cached, cached, step_size, 0.0)  # chunked_prefill's yields
     n_chunks = sum(pause for _, pause in plan) + 1
     done, total = 0, n_chunks + (n_lookahead - 1) + 1
-    for _ in chunked_prefill(draft_model, tokens[cached:last_start], cache, step_size,
+    for _ in chunked_prefill(draft_model, tokens[cached:capture_from], cache, step_size,
                              want_logits=False, balanced=False):
         done += 1
         yield done, total
-
-    logits, window = _forward_capturing_queries(
-        draft_model, tokens[last_start:], cache, sites, keep_last=n_window)
-    if n_lookahead > 1:
-        token = _next_token(logits, temperature)
-        mx.eval(token, window)
-    else:  # no decode step follows: the chunk's logits (its lm_head) are never computed
-        mx.eval(window)
-    queries = [[query] for query in window]
+    queries, token = capture_window(draft_model, tokens[capture_from:], cache, sites,
+                                    min(n_window, prompt_length), n_lookahead, temperature)
     done += 1
     yield done, total
     for _ in range(n_lookahead - 1):
-        logits, step_queries = _forward_capturing_queries(draft_model, token, cache, sites)
-        token = _next_token(logits, temperature)
-        for layer_queries, query in zip(queries, step_queries):
-            layer_queries.append(query)
-        mx.async_eval(token, step_queries)
+        token = lookahead_step(draft_model, token, cache, sites, queries, temperature)
         done += 1
         yield done, total
-
-    importance = None
-    for site, layer_queries in zip(sites, queries):
-        keys = cache[site.cache_index].keys[..., :prompt_length, :]
-        step_axis = 2 if site.query_source == "rope" else 1
-        query = _as_heads(mx.concatenate(layer_queries, axis=step_axis), site, keys.shape[-1])
-        if query.shape[-1] != keys.shape[-1] or query.shape[1] % keys.shape[1]:
-            raise UnsupportedModelError(
-                f"{type(draft_model).__module__}: rotated queries {tuple(query.shape)} do not "
-                f"match cached keys {tuple(keys.shape)} (latent attention such as MLA caches "
-                "a compressed key); use a draft with standard attention"
-            )
-        scale = getattr(site.attention, "scale", query.shape[-1] ** -0.5)
-        layer = _masked_layer_importance(query, keys, scale, pool_kernel, n_window, prompt_length)
-        importance = layer if importance is None else mx.maximum(importance, layer)
-    importance = importance.mean(axis=0)
-    mx.eval(importance)
+    importance = importance_of(draft_model, sites, queries, cache, prompt_length, pool_kernel,
+                               n_window)
     done += 1
     yield done, total
     return importance

@@ -1,4 +1,4 @@
-"""Sliding-window layers see kept tokens by their true positions.
+"""Attention by true position: sliding-window layers, and tokens fed out of order.
 
 A sparse prefill feeds the kept tokens in order, so a `RotatingKVCache`'s own mask
 (each query sees the last `window` entries) would let a kept token attend to kept
@@ -13,6 +13,11 @@ Which entries a rotating cache hands back after an update (concatenated, trimmed
 rotated) is mlx-lm's business: a shadow `RotatingKVCache` of the same size is fed the
 positions in place of keys, so mlx-lm's own update logic says which position each
 returned key has.
+
+A plain `KVCache` appends in feed order, and its causal mask is by that order: right as
+long as tokens come in position order. A repair (`engine/planner.py`) feeds tokens of a
+dropped passage after entries of later positions; for such a forward the plain layers
+get the mask by position too, each query seeing the entries at or before its position.
 """
 
 from contextlib import contextmanager
@@ -21,7 +26,7 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 _EMPTY = -(2**30)  # the position of a slot that holds no entry: outside every window
 
@@ -60,11 +65,28 @@ def _window_mask(queries: mx.array, keys: mx.array, max_size: int, N: int,
     return (keys[None] <= queries[:, None]) & (keys[None] > queries[:, None] - window)
 
 
+def _causal_mask(queries: np.ndarray, keys: np.ndarray, N: int,
+                 window_size: Optional[int] = None, return_array: bool = False) -> mx.array:
+    """`KVCache.make_mask`'s signature; each query sees the keys at or before it."""
+    if N != queries.size:
+        raise ValueError(f"a mask for {N} queries was asked, the forward has {queries.size}")
+    mask = keys[None] <= queries[:, None]
+    if window_size:
+        mask &= keys[None] > queries[:, None] - window_size
+    return mx.array(mask)
+
+
 class SlidingWindows:
-    """The true position of every entry of a prompt cache's rotating layers."""
+    """The true position of every entry of a prompt cache's rotating layers, and of its
+    plain layers' entries (for a forward of tokens that precede some of them)."""
 
     def __init__(self, cache: list, positions: Optional[np.ndarray] = None):
         """`positions`: those of the entries already in `cache`, in order (None: 0..n-1)."""
+        self.plain = [layer for layer in cache if type(layer) is KVCache]
+        self.fed = None  # the plain layers' entries' positions, in cache order
+        if self.plain:
+            self.fed = np.arange(self.plain[0].offset) if positions is None \
+                else np.asarray(positions, dtype=np.int64).reshape(-1)
         self.groups = {}  # layers updated alike share one shadow: {state: (layers, shadow)}
         for layer in cache:
             if not isinstance(layer, RotatingKVCache):
@@ -85,6 +107,14 @@ class SlidingWindows:
         """For one forward of tokens at `positions`: the rotating caches mask by position."""
         queries = mx.array(np.asarray(positions, dtype=np.int32))
         layers = []
+        if self.fed is not None:
+            positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+            keys = np.concatenate([self.fed, positions])
+            if self.fed.size and positions.min() < self.fed.max():  # out of order
+                for layer in self.plain:
+                    layer.make_mask = partial(_causal_mask, positions, keys)
+                    layers.append(layer)
+            self.fed = keys
         for group, shadow in self.groups.values():
             keys, _ = shadow.update_and_fetch(_entries(positions), _entries(positions))
             keys = keys.reshape(-1)

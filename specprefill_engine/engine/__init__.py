@@ -1,10 +1,10 @@
 """The asyncio engine: one MLX worker thread, generate and stream, cancellation."""
 
 from .engine import Engine
-from .results import Chunk, Result, SpecPrefillReport, Timings, Usage
+from .results import Chunk, Result, SpecPrefillReport, Timings, TokenLogprob, Usage
 from .runtime import EngineConfig, EngineInfo
 from .sampling import SamplingParams
-from .scheduler import EngineFailedError, RequestFailedError
+from .worker import EngineFailedError, RequestFailedError
 
 __all__ = ["Chunk", "Engine", "EngineConfig", "EngineFailedError", "EngineInfo", "RequestFailedError",
-           "Result", "SamplingParams", "SpecPrefillReport", "Timings", "Usage"]
+           "Result", "SamplingParams", "SpecPrefillReport", "Timings", "TokenLogprob", "Usage"]

@@ -18,7 +18,7 @@ logits of another shape, fails its own row only. With a sharded target (`group`)
 (`sampling=False`) sample nothing and read nothing.
 """
 
-from types import SimpleNamespace
+from itertools import repeat
 from typing import Optional
 
 import mlx.core as mx
@@ -30,8 +30,7 @@ from mlx_lm.models.cache import (
 from ..core import positioned_rope
 from ..core.adapters import takes_position_ids
 from ..core.prefill import logits_of
-from .sampling import SamplingParams
-from .state import RequestState
+from .sampling import GREEDY, RowSampler, read_logprobs, sample_rows
 
 POSITIONED_CACHES = (BatchKVCache, BatchRotatingKVCache)
 
@@ -40,43 +39,6 @@ def broadcast_tokens(tokens: mx.array, group) -> mx.array:
     """Rank 0's tokens on every rank, inside the graph: the other ranks pass zeros
     computed from their own logits, so their forward runs with the same collectives."""
     return mx.distributed.all_sum(tokens.astype(mx.int32), group=group).astype(mx.uint32)
-
-
-def _processed(row: RequestState, context: mx.array, logits: mx.array) -> mx.array:
-    shape = logits.shape
-    for processor in row.processors:
-        logits = processor(context, logits)
-    if logits.shape != shape:
-        raise ValueError(f"a logits processor returned shape {logits.shape}, not {shape}")
-    return logits
-
-
-def sample_rows(rows: list, logits: mx.array, contexts: Optional[list] = None,
-                failed: Optional[dict] = None) -> mx.array:
-    """(B, vocab) logits -> (B,) tokens: each row's processors (seeing `contexts[i]`, its
-    tokens so far), then its sampler. A row whose processors raise is sampled from its
-    raw logits and recorded in `failed` (row -> error); the others are unaffected."""
-    if any(row.processors for row in rows):
-        parts = []
-        for index, row in enumerate(rows):
-            row_logits = logits[index : index + 1]
-            if row.processors:
-                try:
-                    context = contexts[index] if contexts else mx.array(row.generated, mx.int32)
-                    row_logits = _processed(row, context, row_logits)
-                except Exception as error:  # this row fails; the others go on
-                    if failed is None:
-                        raise
-                    failed[row] = error
-                    row_logits = logits[index : index + 1]
-            parts.append(row_logits)
-        logits = mx.concatenate(parts, axis=0)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    if all(row.params.greedy for row in rows):
-        return mx.argmax(logprobs, axis=-1)
-    return mx.concatenate(
-        [row.sampler(logprobs[index : index + 1]) for index, row in enumerate(rows)], axis=0
-    )
 
 
 def as_batch_of_one(cache: list, shift: int) -> list:
@@ -140,13 +102,14 @@ def _saved(layer):
     return lambda: vars(layer).update(fields)
 
 
-# stands in for a row that has left but whose cache row is still there
-_VACANT = SimpleNamespace(processors=[], params=SamplingParams(),
-                          sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
+def _asked(rows: list) -> list:
+    """Each row's logprobs k (None: not asked)."""
+    return [row.params.logprobs for row in rows]
 
 
 class DecodeBatch:
-    """The rows decoding together, their batch caches and their next input tokens.
+    """The rows decoding together (by handle), their batch caches and their next input
+    tokens. On rank 0 each row has its `RowSampler`; the other ranks sample nothing.
 
     A leaving row's slot stays (decoding costs no more for one row more) until half
     the slots are vacant or a row joins: compacting copies the whole batch's KV, and
@@ -157,30 +120,34 @@ class DecodeBatch:
         self.model = model
         self.group = group  # a distributed group: tokens come from rank 0
         self.sampling = sampling  # rank 0 samples; the other ranks follow its tokens
-        self.slots: list = []  # a row, or None once it has left
+        self.slots: list = []  # a handle, or None once it has left
+        self.samplers: list = []  # per slot: its RowSampler (rank 0), GREEDY when vacant
         self.contexts: list = []  # per slot: its tokens for processors (TokenBuffer) or None
         self.cache: Optional[list] = None
         self.inputs: Optional[mx.array] = None  # (B,) next tokens to feed, maybe not evaluated
+        self.logprobs: Optional[tuple] = None  # `inputs`' token_logprobs, when a row asks
         self._known: list[bool] = []  # whether a slot's input token was already handed out
         self.plain = False  # one row on its own plain cache
 
     @property
     def rows(self) -> list:
-        return [row for row in self.slots if row is not None]
+        return [handle for handle in self.slots if handle is not None]
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, row, cache: list, first_token: int, shift: int) -> None:
+    def add(self, handle: int, sampler: Optional[RowSampler], cache: list, first_token: int,
+            shift: int) -> None:
         """Join a row whose first token was already sampled and handed out. All or
-        nothing: if joining fails (the copy into the batch cannot be allocated), the
+        nothing: if joining fails (the copy into the batch cache cannot be allocated), the
         batch is as it was and the error is raised for this row alone.
 
         A lone row at its cache's own positions decodes on its plain cache, as mlx-lm's
-        generate_step does (a batch cache's mask and per-row offsets cost ~20% per
+        generate_step does (a batch cache's mask and per-row offsets cost time per
         token there); the batch cache takes over when a second row joins."""
         layers = [_saved(layer) for layer in self.cache or []]
-        before = (self.slots, self.contexts, self._known, self.cache, self.inputs, self.plain)
+        before = (self.slots, self.samplers, self.contexts, self._known, self.cache,
+                  self.inputs, self.plain, self.logprobs)
         try:
             self._compact()
             token = mx.array([first_token], dtype=mx.uint32)
@@ -199,105 +166,111 @@ class DecodeBatch:
         except BaseException:
             for restore in layers:
                 restore()
-            self.slots, self.contexts, self._known, self.cache, self.inputs, self.plain = before
+            (self.slots, self.samplers, self.contexts, self._known, self.cache, self.inputs,
+             self.plain, self.logprobs) = before
             raise
-        self.slots = self.slots + [row]
-        self.contexts = self.contexts + [TokenBuffer() if row.processors else None]
+        sampler = sampler or GREEDY
+        self.slots = self.slots + [handle]
+        self.samplers = self.samplers + [sampler]
+        self.contexts = self.contexts + [TokenBuffer() if sampler.processors else None]
         self._known = self._known + [True]
 
     def step(self) -> tuple[list, dict]:
         """Queue one forward for every slot; return the tokens sampled by the previous
-        step, (row, token) for each row, now that they are needed, and the rows whose
-        processors failed in this one (row -> error)."""
+        step, (handle, token, TokenLogprob or None) for each row, now that they are
+        needed, and the rows whose processors failed in this one (handle -> error)."""
         inputs = self.inputs
         logits = logits_of(self.model(inputs[:, None], cache=self.cache))[:, -1, :]
         if not self.sampling:
             self.inputs = broadcast_tokens(mx.argmax(logits, axis=-1) * 0, self.group)
             mx.async_eval(self.inputs)
             return [], {}
-        rows = [row or _VACANT for row in self.slots]
-        contexts = None
-        if any(row.processors for row in rows):
+        contexts = [None] * len(self.slots)
+        if any(sampler.processors for sampler in self.samplers):
             mx.async_eval(logits)  # the forward computes while host-side processors run
             contexts = [None if buffer is None else buffer.update_and_fetch(inputs[i : i + 1])
                         for i, buffer in enumerate(self.contexts)]
         failed: dict = {}
-        self.inputs = sample_rows(rows, logits, contexts, failed)
+        self.inputs, logprobs = sample_rows(self.samplers, logits, contexts, failed)
         if self.group is not None:
             self.inputs = broadcast_tokens(self.inputs, self.group)
-        mx.async_eval(self.inputs, [c for c in contexts or [] if c is not None])
-        produced = self._read(inputs)
+        mx.async_eval(self.inputs, [c for c in contexts if c is not None], logprobs or ())
+        produced = self._read(inputs, self.logprobs)
+        self.logprobs = logprobs
         self._known = [False] * len(self.slots)
-        return produced, failed
+        return produced, {self.slots[i]: error for i, error in failed.items()
+                          if self.slots[i] is not None}
 
-    def _read(self, inputs: mx.array) -> list:
-        produced = []
-        for row, known, token in zip(self.slots, self._known, inputs.tolist()):
-            if row is not None and not known:
-                row.generated.append(token)
-                produced.append((row, token))
-        return produced
+    def _read(self, inputs: mx.array, logprobs: Optional[tuple]) -> list:
+        tokens = inputs.tolist()
+        read = repeat(None)
+        if logprobs is not None:
+            ks = [None if known or handle is None else k
+                  for handle, known, k in zip(self.slots, self._known, _asked(self.samplers))]
+            read = read_logprobs(logprobs, tokens, ks)
+        return [(handle, token, logprob)
+                for handle, known, token, logprob in zip(self.slots, self._known, tokens, read)
+                if handle is not None and not known]
 
-    def extract(self, row, count: int) -> list:
+    def extract(self, handle: int, count: int) -> list:
         """A row's first `count` cache entries as plain per-layer caches (its left
-        padding removed): views on a lone row's own cache, else one copy each."""
+        padding removed, mlx-lm's `extract`): views on a lone row's own cache, else one
+        copy each."""
         if self.plain:
             return cut_cache(self.cache, count)
-        index = self.slots.index(row)
-        extracted = []
-        for layer in self.cache:
-            if isinstance(layer, BatchKVCache):
-                padding = int(layer.left_padding[index].item())
-                part = KVCache()
-                part.keys = mx.contiguous(layer.keys[index : index + 1, :, padding : padding + count])
-                part.values = mx.contiguous(layer.values[index : index + 1, :, padding : padding + count])
-                part.offset = count
-                extracted.append(part)
-            else:
-                extracted.append(layer.extract(index))
-        return extracted
+        index = self.slots.index(handle)
+        return cut_cache([layer.extract(index) for layer in self.cache], count)
 
     def remove(self, leaving: set) -> None:
         """Rows leave (finished or aborted); their cache rows go at the next compaction."""
-        self.slots = [None if row in leaving else row for row in self.slots]
-        self.contexts = [None if row is None else c for row, c in zip(self.slots, self.contexts)]
+        self.slots = [None if handle in leaving else handle for handle in self.slots]
+        self.samplers = [GREEDY if handle is None else sampler
+                         for handle, sampler in zip(self.slots, self.samplers)]
+        self.contexts = [None if handle is None else c
+                         for handle, c in zip(self.slots, self.contexts)]
         if not self.rows:
-            self.slots, self.contexts, self._known, self.cache, self.inputs = [], [], [], None, None
+            self.slots, self.samplers, self.contexts, self._known = [], [], [], []
+            self.cache = self.inputs = self.logprobs = None
         elif 2 * self.slots.count(None) >= len(self.slots):
             self._compact()
 
     def _compact(self) -> None:
-        keep = [i for i, row in enumerate(self.slots) if row is not None]
+        keep = [i for i, handle in enumerate(self.slots) if handle is not None]
         if len(keep) == len(self.slots):
             return
         self.slots = [self.slots[i] for i in keep]
+        self.samplers = [self.samplers[i] for i in keep]
         self.contexts = [self.contexts[i] for i in keep]
         self._known = [self._known[i] for i in keep]
         if not keep:
-            self.cache = self.inputs = None
+            self.cache = self.inputs = self.logprobs = None
             return
         indices = mx.array(keep, dtype=mx.int32)
         for layer in self.cache:
             layer.filter(indices)
         self.inputs = self.inputs[indices]
+        if self.logprobs is not None:
+            self.logprobs = tuple(a[indices] for a in self.logprobs)
 
 
 class SoloDecode:
     """One row of a model whose caches cannot be batched: a forward per step, its
     positions set for that call (the prefill's per-call handling) and cleared after."""
 
-    def __init__(self, model: nn.Module, row, cache: list, first_token: int, shift: int,
-                 group=None, sampling: bool = True):
-        self.model, self.row, self.cache, self.shift = model, row, cache, shift
+    def __init__(self, model: nn.Module, handle: int, sampler: Optional[RowSampler],
+                 cache: list, first_token: int, shift: int, group=None, sampling: bool = True):
+        self.model, self.cache, self.shift = model, cache, shift
+        self.sampler = sampler or GREEDY
         self.group, self.sampling = group, sampling
-        self.rows = [row]
+        self.rows = [handle]
         self.token = first_token
+        self.context = TokenBuffer() if self.sampler.processors else None
 
-    def extract(self, row, count: int) -> list:
+    def extract(self, handle: int, count: int) -> list:
         return cut_cache(self.cache, count)
 
     def remove(self, leaving: set) -> None:
-        self.rows = [row for row in self.rows if row not in leaving]
+        self.rows = [handle for handle in self.rows if handle not in leaving]
 
     def step(self) -> tuple[list, dict]:
         with positioned_rope(self.model, shift=self.shift):
@@ -306,10 +279,15 @@ class SoloDecode:
         if not self.sampling:
             self.token = broadcast_tokens(mx.argmax(logits, axis=-1) * 0, self.group).item()
             return [], {}
+        context = None
+        if self.context is not None:
+            context = self.context.update_and_fetch(mx.array([self.token], dtype=mx.int32))
         failed: dict = {}
-        token = sample_rows(self.rows, logits, None, failed)
+        token, logprobs = sample_rows([self.sampler], logits, [context], failed)
         if self.group is not None:
             token = broadcast_tokens(token, self.group)
+        mx.eval(token, logprobs or ())
         self.token = token.item()
-        self.row.generated.append(self.token)
-        return [(self.row, self.token)], failed
+        logprob = read_logprobs(logprobs, [self.token], _asked([self.sampler]))[0]
+        handle = self.rows[0]
+        return [(handle, self.token, logprob)], {handle: error for error in failed.values()}

@@ -13,8 +13,8 @@ messages[:i] as a prefix of the whole prompt leaves message i's start unknown (N
 a tokenizer without offsets (a slow one) leaves every start unknown.
 
 A prefix render costs about what the whole render costs (a template's cost is per
-message, ~25 us each), so starts for every message cost n renders of up to n
-messages: 0.3 s for a 173-message, 33K-token agent chat (`benchmarks/render.py`).
+message), so starts for every message cost n renders of up to n messages, quadratic
+in a long agent chat (`benchmarks/render.py`, docs/benchmarks.md).
 By default only the starts that are used are rendered: the end of a leading system
 message, the newest user or tool message (protected segments), the generation
 prompt, and the last `window` messages; the others are None.

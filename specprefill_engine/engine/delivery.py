@@ -2,7 +2,7 @@
 
 Events for the callers on one loop go through that loop's `Mailbox`: one
 `call_soon_threadsafe` hands over every event posted before the loop gets to it.
-Inside `one_delivery()` (the scheduler wraps the output processing of each decode step
+Inside `one_delivery()` (the worker wraps the output processing of each decode step
 in it) nothing is handed over until the block ends, so a batched step of N streams wakes
 each loop once (a model that cannot batch decodes one request per step): otherwise a
 loop that is idle drains after the first few posts and wakes again for the rest, and

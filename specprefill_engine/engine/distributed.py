@@ -2,7 +2,7 @@
 
 Under `mlx.launch` every rank runs the same program. Each loads its shard of the
 target (mlx-lm's `Model.shard`, tensor parallel); rank 0 alone loads the draft and
-owns the tokenizer, the scheduler and the requests. Every forward of the sharded
+owns the tokenizer, the worker and the requests. Every forward of the sharded
 target holds collectives, so every rank must run the same target work in the same
 order: rank 0 broadcasts each turn's plan (`plan.py`) and every rank runs it with the
 same executor (`executor.py`). The other ranks keep no state of their own beyond what
@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from .executor import Executor
-from .plan import TurnPlan, decode, encode
+from .plan import TurnPlan, decode_plan, encode_plan
 from .prefix_cache import prefix_cache_for
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Channel:
         self._in_flight = sent
 
     def post(self, plan: TurnPlan) -> None:
-        body = encode(plan)
+        body = encode_plan(plan)
         self._post(np.array([body.size], np.int32))
         if body.size:
             self._post(body)
@@ -78,7 +78,7 @@ class Channel:
 
     def receive(self) -> TurnPlan:
         size = int(self._exchange(1)[0])
-        return decode(self._exchange(size)) if size else TurnPlan()
+        return decode_plan(self._exchange(size)) if size else TurnPlan()
 
 
 class Watchdog:
@@ -114,7 +114,6 @@ class FollowerWorker:
         self._load = load
         self.group = group
         self.prefix_cache_bytes = prefix_cache_bytes
-        self.requests: dict = {}  # never any: requests are made on rank 0
         self.closed = False
         self.failure: Optional[BaseException] = None
         self.ready: Future = Future()
@@ -130,6 +129,12 @@ class FollowerWorker:
     def submit(self, state) -> None:
         raise FollowerRankError(f"rank {self.group.rank()} takes no requests: rank 0 serves "
                                 "them and this rank follows")
+
+    def active_ids(self) -> list:
+        return []  # never any: requests are made on rank 0
+
+    def find(self, request_id: str) -> None:
+        return None
 
     def stop(self) -> None:
         self.closed = True  # the loop ends on rank 0's word only

@@ -1,7 +1,7 @@
 """The async API: `Engine.generate`, `Engine.stream`, `Engine.abort`, and a sync facade.
 
 Callers in any thread or event loop submit requests; the worker thread (see
-`scheduler.py`) does the MLX work and sends each event back through the caller's
+`worker.py`) does the MLX work and sends each event back through the caller's
 own loop (through that loop's mailbox, `delivery.py`: a batched decode step of N streams
 wakes the loop once) or, for sync callers, a plain queue. Tokenizing and chat
 templating run off the event loop, in a thread of asyncio's pool.
@@ -11,7 +11,6 @@ import asyncio
 import inspect
 import itertools
 import logging
-import math
 import queue
 import threading
 import weakref
@@ -26,9 +25,9 @@ from .delivery import Mailbox
 from .output import OutputProcessor
 from .results import Chunk, Progress, Result
 from .distributed import FollowerWorker, distributed_group
-from .runtime import EngineConfig, EngineInfo, load_runtime, load_target
+from .runtime import EngineConfig, EngineInfo, check_count, check_keep, load_runtime, load_target
 from .sampling import SamplingParams, check_keywords
-from .scheduler import Scheduler
+from .worker import Worker
 from .state import RequestState
 
 logger = logging.getLogger(__name__)
@@ -84,12 +83,10 @@ def _check_options(specprefill, keep, threshold, tools, on_progress, chat_templa
                    chat):
     if specprefill not in (None, True, False):
         raise TypeError(f"specprefill must be None, True or False, got {specprefill!r}")
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, (int, float))
-                             or not math.isfinite(keep) or not 0 < keep <= 1):
-        raise ValueError(f"keep must be in (0, 1], got {keep!r}")
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int)
-                                  or threshold < 1):
-        raise ValueError(f"threshold must be an integer >= 1, got {threshold!r}")
+    if keep is not None:
+        check_keep(keep)
+    if threshold is not None:
+        check_count(threshold, "threshold")
     if tools is not None and not (isinstance(tools, (list, tuple))
                                   and all(isinstance(t, dict) for t in tools)):
         raise TypeError("tools must be a list of tool schemas (dicts)")
@@ -101,12 +98,12 @@ def _check_options(specprefill, keep, threshold, tools, on_progress, chat_templa
         raise TypeError(f"chat must be True or False, got {chat!r}")
 
 
-def _stop_worker(scheduler: Scheduler, timeout: float) -> None:
+def _stop_worker(worker: Worker, timeout: float) -> None:
     """Stop and join a worker; also run at interpreter exit or when the Engine is
     collected, so no MLX work is cut off mid-call (which aborts the process)."""
-    scheduler.stop()
-    if scheduler.thread.is_alive():
-        scheduler.thread.join(timeout)
+    worker.stop()
+    if worker.thread.is_alive():
+        worker.thread.join(timeout)
 
 
 class Engine:
@@ -130,13 +127,11 @@ class Engine:
         model: Optional[str] = None,
         draft: Optional[str] = None,
         *,
-        keep: float = 0.3,
-        threshold: int = 1024,
         dtype="auto",
         **config,
     ):
         check_keywords("Engine()", config, CONFIG_KEYWORDS)
-        self.config = EngineConfig(keep=keep, threshold=threshold, **config)
+        self.config = EngineConfig(**config)
         dtype = resolve_dtype(dtype)
         self.model_path = resolve_model_path(model, DEMO_TARGET)
         use_draft = draft is not None or model is None
@@ -147,24 +142,24 @@ class Engine:
         self.ranks = group.size() if group is not None else 1
         if self.rank:
             target = self.model_path
-            self._scheduler = FollowerWorker(lambda: load_target(target, dtype, group)[0], group,
+            self._worker = FollowerWorker(lambda: load_target(target, dtype, group)[0], group,
                                              settings.prefix_cache_bytes)
         else:
-            self._scheduler = Scheduler(lambda: load_runtime(*paths, settings, dtype, group))
+            self._worker = Worker(lambda: load_runtime(*paths, settings, dtype, group))
         self._start_lock = threading.Lock()
         self._started = False
         self._mailboxes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        self._finalizer = weakref.finalize(self, _stop_worker, self._scheduler, 30.0)
+        self._finalizer = weakref.finalize(self, _stop_worker, self._worker, 30.0)
 
     # lifecycle -----------------------------------------------------------------
 
     def _ensure_started(self):
         with self._start_lock:
-            self._scheduler.check_open()
+            self._worker.check_open()
             if not self._started:
-                self._scheduler.thread.start()
+                self._worker.thread.start()
                 self._started = True
-        return self._scheduler.ready
+        return self._worker.ready
 
     async def start(self) -> "Engine":
         """Load the models. On a rank > 0 of a distributed engine this serves rank 0
@@ -172,20 +167,20 @@ class Engine:
         # the ready future cannot be cancelled: a caller's cancellation ends its own wait only
         await asyncio.wrap_future(self._ensure_started())
         if self.rank:
-            await asyncio.wrap_future(self._scheduler.done)
+            await asyncio.wrap_future(self._worker.done)
             self._follower_exit()
         return self
 
     def start_sync(self) -> "Engine":
         self._ensure_started().result()
         if self.rank:
-            self._scheduler.done.result()
+            self._worker.done.result()
             self._follower_exit()
         return self
 
     def _follower_exit(self) -> None:
         logger.info("rank %d: rank 0 shut down; exiting", self.rank)
-        self._scheduler.thread.join()  # it frees its MLX state; exiting mid-call aborts
+        self._worker.thread.join()  # it frees its MLX state; exiting mid-call aborts
         self._finalizer.detach()
         raise SystemExit(0)
 
@@ -196,7 +191,7 @@ class Engine:
         if self.rank:
             self.start_sync()  # a follower serves, then exits: it has no info to give
         if self._started:
-            return self._scheduler.ready.result()
+            return self._worker.ready.result()
         return self._ensure_started().result()
 
     def stats(self) -> dict:
@@ -207,9 +202,9 @@ class Engine:
         prefilling, broken files ignored, why the tier is off)."""
         if self.rank:
             return {}
-        stats = {"densify": replace(self._scheduler.densify_stats)}
-        if self._scheduler.disk_stats is not None:
-            stats["disk"] = replace(self._scheduler.disk_stats)
+        stats = {"densify": replace(self._worker.densify_stats)}
+        if self._worker.disk_stats is not None:
+            stats["disk"] = replace(self._worker.disk_stats)
         return stats
 
     @property
@@ -231,10 +226,10 @@ class Engine:
         stop the worker, which frees the models on its own thread."""
         with self._start_lock:
             started = self._started
-            self._scheduler.stop()
+            self._worker.stop()
         if started:
             self._finalizer.detach()
-            _stop_worker(self._scheduler, timeout)
+            _stop_worker(self._worker, timeout)
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         await asyncio.to_thread(self.shutdown_sync, timeout)
@@ -253,14 +248,23 @@ class Engine:
 
     # requests ------------------------------------------------------------------
 
+    def health(self) -> Optional[str]:
+        """Why the engine cannot serve (it failed, or it is shut down), or None."""
+        failure = self._worker.failure
+        if failure is not None:
+            return f"the engine failed: {failure!r}"
+        if self._worker.closed:
+            return "the engine is shut down"
+        return None
+
     @property
     def active_request_ids(self) -> list:
         """Ids of the requests submitted and not yet finished (queued ones included)."""
-        return list(self._scheduler.requests)
+        return self._worker.active_ids()
 
     def abort(self, request_id: str) -> bool:
         """Ask the worker to stop a request; it ends with finish_reason 'abort'."""
-        state = self._scheduler.requests.get(request_id)
+        state = self._worker.find(request_id)
         if state is not None:
             state.cancelled.set()
         return state is not None
@@ -327,11 +331,13 @@ class Engine:
             start for start in (*rendered.message_starts, rendered.generation_start)
             if start is not None and 0 < start < tokens.size}))
         return RequestState(
-            request_id, tokens, params, emit, specprefill,
-            self.config.keep if keep is None else keep,
-            self.config.threshold if threshold is None else threshold,
-            stream, on_progress is not None, constraint, logits_processors, cache_prompt,
-            max_tokens, protected, warnings, boundaries=boundaries, output=output,
+            request_id, tokens, params, emit,
+            keep=self.config.keep if keep is None else keep,
+            threshold=self.config.threshold if threshold is None else threshold,
+            max_tokens=max_tokens, output=output, specprefill=specprefill, stream=stream,
+            progress=on_progress is not None, constraint=constraint,
+            logits_processors=logits_processors, cache_prompt=cache_prompt,
+            protected=protected, warnings=warnings, boundaries=boundaries,
         )
 
     @staticmethod
@@ -359,7 +365,7 @@ class Engine:
                 state.cancelled.set()  # the caller's loop is gone: stop working for it
 
         state = await asyncio.to_thread(self._prepare, prompt, emit, stream, **kwargs)
-        self._scheduler.submit(state)
+        self._worker.submit(state)
         try:
             while True:
                 event = self._receive(await events.get(), kwargs.get("on_progress"))
@@ -377,7 +383,9 @@ class Engine:
         by `chat.render_chat`, or token ids. Keyword arguments: `chat` (True: a string
         prompt is one user message, sent through the chat template), the SamplingParams
         fields (max_tokens, temperature, top_p, top_k (below the vocabulary size),
-        min_p, repetition_penalty, seed, stop, stop_token_ids), `specprefill`
+        min_p, repetition_penalty, seed, stop, stop_token_ids, logprobs: k in [0, 20] puts
+        each token's TokenLogprob, with the k likeliest alternatives, in `Result.logprobs`
+        and the chunks' `logprobs`), `specprefill`
         (None: engine policy), `keep`, `threshold`, `tools` and `chat_template_kwargs`
         (passed to the chat template), `response_format` (constrained decoding, see
         `constrained.py`), `logits_processors` (callables `(generated, logits) -> logits`,
@@ -418,7 +426,7 @@ class Engine:
         self.start_sync()
         events: "queue.Queue" = queue.Queue()
         state = self._prepare(prompt, events.put, stream, **kwargs)
-        self._scheduler.submit(state)
+        self._worker.submit(state)
         try:
             while True:
                 event = self._receive(events.get(), kwargs.get("on_progress"))

@@ -1,11 +1,15 @@
-"""Runs a turn's plan on the target: the same code on one process and on every rank.
+"""Runs a turn's plan: the same code on one process and on every rank.
 
-The executor owns what the target computes with: each prefilling request's cache and
-the checkpoints taken on the way (models whose caches cannot be cut: `prefix_cache.py`),
-the decode batch (and the solo decodes of a model that cannot batch) and the prefix
-cache, which every rank keeps alike by making the same calls on it. It runs a
-`TurnPlan` in the plan's order and returns a `TurnOutcome`: the tokens the decode step
-read back, the last logits of prompts whose last chunk ran, and per-request errors.
+The executor owns the tensors, by request handle: each prefilling request's target
+cache and the checkpoints taken on the way (models whose caches cannot be cut:
+`prefix_cache.py`), the decode batch (and the solo decodes of a model that cannot
+batch), the prefix cache's KV, which every rank keeps alike by making the same calls
+on it, and on rank 0 the draft's caches while it scores, with the draft's prefix cache.
+It knows nothing of requests beyond their handles and, on rank 0, how each is sampled
+(`register`). It runs a `TurnPlan` in the plan's order and returns a `TurnOutcome`:
+the tokens sampled (a prompt's first included), the keys stores were kept under, the
+importance of a finished scoring, seconds spent, and per-handle errors.
+
 Nothing a request does escapes `run`: a step, chunk or join that fails is that
 request's error (a failed batched forward is every row's of that batch), a failed store
 only leaves that cache out. On a sharded target the ranks agree after the turn's stores
@@ -18,62 +22,69 @@ apart, and is raised (the engine cannot go on).
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
 from ..core.prefill import prefill_chunk
+from ..core.scoring import DraftScorer, capture_window, importance_of, lookahead_step, scored_sites
+from ..core.sparse_prefill import decode_shift
 from ..core.windows import SlidingWindows
 from .batch import DecodeBatch, SoloDecode, cut_cache
 from .plan import TurnPlan
 from .prefix_cache import Hit, PrefixCache, checkpointed, snapshot
+from .sampling import RowSampler, read_logprobs, sample_rows
 
 logger = logging.getLogger(__name__)
+_NO_TOKENS = mx.array([], dtype=mx.int32)  # what processors see before the first token
 
 
 @dataclass
 class TurnOutcome:
-    tokens: list = field(default_factory=list)  # (row, token) read back by the decode step
-    logits: dict = field(default_factory=dict)  # handle -> (1, vocab) last prompt logits
+    tokens: list = field(default_factory=list)  # (handle, token, TokenLogprob or None)
     failed: dict = field(default_factory=dict)  # handle -> error
     stored: dict = field(default_factory=dict)  # handle -> the prefix-cache key it is kept as
+    draft_stored: dict = field(default_factory=dict)  # handle -> its draft prefix-cache key
     seconds: dict = field(default_factory=dict)  # handle -> time in its prefill chunks
+    scored: dict = field(default_factory=dict)  # handle -> importance (np.ndarray), scoring done
+    scoring_seconds: dict = field(default_factory=dict)  # handle -> time in its scoring unit
 
 
-class _Row:
-    """A rank > 0's stand-in for a request: only its handle matters."""
+@dataclass
+class _Scoring:
+    """A request's draft cache while it scores, and what the scoring captured."""
 
-    __slots__ = ("handle", "processors")
-
-    def __init__(self, handle: int):
-        self.handle, self.processors = handle, []
+    cache: list
+    sites: list
+    queries: Optional[list] = None
+    token: Optional[mx.array] = None  # the next lookahead input
 
 
 class Executor:
-    def __init__(self, model, prefix: Optional[PrefixCache], group=None, sampling: bool = True):
+    def __init__(self, model, prefix: Optional[PrefixCache], group=None, sampling: bool = True,
+                 scorer: Optional[DraftScorer] = None, draft_prefix: Optional[PrefixCache] = None):
         self.model = model
         self.prefix = prefix
         self.group = group  # a sharded target's process group
-        self.sampling = sampling  # rank 0: rows are RequestStates that sample
+        self.sampling = sampling  # rank 0 samples; the other ranks follow its tokens
+        self.scorer = scorer  # rank 0: the draft and its scoring settings
+        self.draft_prefix = draft_prefix
+        self.samplers: dict = {}  # handle -> RowSampler (rank 0)
         self.caches: dict = {}  # handle -> target cache while prefilling
         self.checkpointed = checkpointed(model)  # snapshots at message boundaries
         self.snapshots: dict = {}  # handle -> {prefix length: Snapshot}
         self.held: dict = {}  # handle -> positions of a restored sparse prefix's entries
         self.windows: dict = {}  # handle -> SlidingWindows of its sparse prefill
-        self.rows: dict = {}  # handle -> row while decoding
         self.groups: dict = {}  # handle -> its DecodeBatch or SoloDecode
+        self.scoring: dict = {}  # handle -> _Scoring (rank 0)
         self.batch = DecodeBatch(model, group, sampling)
-        # fault injection for tests: stage -> predicate(handle) raising inside that stage
-        self.faults: dict = {}
 
-    def _fault(self, stage: str, handle: int) -> None:
-        check = self.faults.get(stage)
-        if check is not None:
-            check(handle)
+    def register(self, handle: int, sampler: RowSampler) -> None:
+        """How `handle`'s tokens are sampled (rank 0), before its first plan."""
+        self.samplers[handle] = sampler
 
-    def run(self, plan: TurnPlan, rows: Optional[Callable[[int], object]] = None) -> TurnOutcome:
-        """Run one plan; `rows(handle)` gives rank 0's request state for a join."""
+    def run(self, plan: TurnPlan) -> TurnOutcome:
         outcome = TurnOutcome()
         if self.prefix is not None:
             self.prefix.merged.clear()  # a plan's restores name entries as it was decided
@@ -81,25 +92,29 @@ class Executor:
         clear = False
         for key in plan.drops:
             self.prefix.drop(key)
+        for key in plan.draft_drops:
+            self.draft_prefix.drop(key)
         for handle in plan.releases:
             self._release(handle)
-        joined = [self._join(j, rows, outcome) for j in plan.joins]
+        joined = [self._join(j, outcome) for j in plan.joins]
         if self.group is not None and (plan.stores or plan.joins):
             clear = self._agree(plan, stored, joined, outcome)
         if plan.decode:
             self._decode(outcome)
         for entry in plan.restores:
-            self._guard(outcome, entry.handle, "restore", self._restore, entry)
+            self._guard(outcome, entry.handle, self._restore, entry)
         for chunk in plan.chunks:
             if chunk.handle not in outcome.failed:
-                self._guard(outcome, chunk.handle, "prefill", self._chunk, chunk, outcome)
+                self._guard(outcome, chunk.handle, self._chunk, chunk, outcome)
+        for unit in plan.scoring:
+            if unit.handle not in outcome.failed:
+                self._score(unit, outcome)
         if clear:  # after this plan's restores, which name entries every rank holds
             self.prefix.clear()
         return outcome
 
-    def _guard(self, outcome: TurnOutcome, handle: int, stage: str, work, *args) -> None:
+    def _guard(self, outcome: TurnOutcome, handle: int, work, *args) -> None:
         try:
-            self._fault(stage, handle)
             work(*args)
         except Exception as error:
             if self.group is not None:
@@ -115,12 +130,11 @@ class Executor:
         handle = store.handle
         count = store.tokens.size if store.positions is None else store.positions.size
         try:
-            self._fault("store", handle)
             if handle in self.caches:
                 cache = self.caches[handle]
                 cache = cache if self.checkpointed else cut_cache(cache, count)
             else:
-                cache = self.groups[handle].extract(self.rows[handle], count)
+                cache = self.groups[handle].extract(handle, count)
             checkpoints = {length: snap for length, snap in self.snapshots.get(handle, {}).items()
                            if length <= store.tokens.size}
             key = self.prefix.store(store.tokens, cache, store.positions, checkpoints, store.keep,
@@ -133,31 +147,31 @@ class Executor:
             return False
 
     def _release(self, handle: int) -> None:
-        for table in (self.caches, self.snapshots, self.held, self.windows):
+        for table in (self.caches, self.snapshots, self.held, self.windows, self.scoring,
+                      self.samplers):
             table.pop(handle, None)
-        row = self.rows.pop(handle, None)
         group = self.groups.pop(handle, None)
         if group is not None:
-            group.remove({row})
+            group.remove({handle})
 
-    def _join(self, join, rows, outcome: TurnOutcome) -> bool:
+    def _join(self, join, outcome: TurnOutcome) -> bool:
         handle = join.handle
-        row = rows(handle) if rows is not None else _Row(handle)
         try:
-            self._fault("join", handle)
             cache = self.caches[handle]
+            shift = decode_shift(self.model, cache, join.length, 0)
+            sampler = self.samplers.get(handle)
             if join.solo:
-                group = SoloDecode(self.model, row, cache, join.token, join.shift, self.group,
-                                   self.sampling)
+                group = SoloDecode(self.model, handle, sampler, cache, join.token, shift,
+                                   self.group, self.sampling)
             else:
-                self.batch.add(row, cache, join.token, join.shift)
+                self.batch.add(handle, sampler, cache, join.token, shift)
                 group = self.batch
         except Exception as error:
             outcome.failed[handle] = error
             self._release(handle)
             return False
         del self.caches[handle]
-        self.rows[handle], self.groups[handle] = row, group
+        self.groups[handle] = group
         return True
 
     def _agree(self, plan: TurnPlan, stored: list, joined: list, outcome: TurnOutcome) -> bool:
@@ -180,14 +194,6 @@ class Executor:
         return clear
 
     def _decode(self, outcome: TurnOutcome) -> None:
-        check = self.faults.get("decode")
-        if check is not None:  # a row whose step cannot be prepared leaves before it
-            for handle in list(self.rows):
-                try:
-                    check(handle)
-                except Exception as error:
-                    outcome.failed[handle] = error
-                    self._release(handle)
         groups = [self.batch] if len(self.batch) else []
         groups += [g for g in dict.fromkeys(self.groups.values()) if isinstance(g, SoloDecode)]
         for group in groups:
@@ -196,13 +202,12 @@ class Executor:
             except Exception as error:  # e.g. out of memory: these rows fail, the others go on
                 if self.group is not None:
                     raise
-                for row in list(group.rows):
-                    outcome.failed[row.handle] = error
-                    self._release(row.handle)
+                for handle in list(group.rows):
+                    outcome.failed[handle] = error
+                    self._release(handle)
                 continue
             outcome.tokens += produced
-            for row, error in failed.items():
-                outcome.failed[row.handle] = error
+            outcome.failed.update(failed)
 
     def _restore(self, restore) -> None:
         hit = None
@@ -227,20 +232,73 @@ class Executor:
                                want_logits=chunk.last, windows=windows)
         if chunk.checkpoint and self.checkpointed:
             self.snapshots.setdefault(chunk.handle, {})[chunk.checkpoint] = snapshot(cache)
-        seconds = outcome.seconds.get(chunk.handle, 0.0) + time.perf_counter() - started
-        outcome.seconds[chunk.handle] = seconds
-        if chunk.last:
-            outcome.logits[chunk.handle] = logits[:, -1, :]
+        outcome.seconds[chunk.handle] = (outcome.seconds.get(chunk.handle, 0.0)
+                                         + time.perf_counter() - started)
+        if chunk.last and self.sampling:
+            self._first_token(chunk.handle, logits[:, -1, :], outcome)
 
-    def cache_of(self, handle: int) -> list:
-        """A prefilled request's cache (rank 0 reads the first attention layer's length)."""
-        return self.caches[handle]
+    def _first_token(self, handle: int, logits: mx.array, outcome: TurnOutcome) -> None:
+        """Sample a prompt's first token from its last chunk's logits (rank 0, which
+        sends it to the other ranks in the join). A processor that fails fails its
+        request; the plan that ends it releases its work on every rank."""
+        sampler = self.samplers[handle]
+        try:
+            tokens, logprobs = sample_rows([sampler], logits, [_NO_TOKENS])
+            mx.eval(tokens, logprobs or ())  # one sync for the token and its logprobs
+        except Exception as error:
+            outcome.failed[handle] = error
+            return
+        token = tokens.item()
+        logprob = read_logprobs(logprobs, [token], [sampler.params.logprobs])[0]
+        outcome.tokens.append((handle, token, logprob))
+
+    # the draft's scoring (rank 0) ---------------------------------------------------
+
+    def _score(self, unit, outcome: TurnOutcome) -> None:
+        """One unit of a request's scoring; a failure is SpecPrefill's own (the request
+        goes on densely): it comes back as the handle's importance being an error."""
+        started = time.perf_counter()
+        scorer, handle = self.scorer, unit.handle
+        try:
+            if unit.restore is not None:
+                hit = None
+                if unit.restore.key >= 0:
+                    hit = Hit(self.draft_prefix.entries[unit.restore.key], unit.restore.cut,
+                              unit.restore.cut)
+                cache, _ = PrefixCache.restore(scorer.model, hit, unit.restore.cut)
+                self.scoring[handle] = _Scoring(cache, scored_sites(scorer.model, unit.length,
+                                                                    cache))
+            work = self.scoring[handle]
+            if unit.reduce:
+                importance = importance_of(scorer.model, work.sites, work.queries, work.cache,
+                                           unit.length, scorer.pool_kernel, scorer.n_window)
+                if unit.store and self.draft_prefix is not None:
+                    key = self.draft_prefix.store(unit.tokens, work.cache)
+                    if key is not None:
+                        outcome.draft_stored[handle] = key
+                del self.scoring[handle]
+                outcome.scored[handle] = np.array(importance, dtype=np.float32)
+            elif unit.lookahead:
+                work.token = lookahead_step(scorer.model, work.token, work.cache, work.sites,
+                                            work.queries, scorer.temperature)
+            elif unit.captures:
+                work.queries, work.token = capture_window(
+                    scorer.model, mx.array(unit.tokens), work.cache, work.sites,
+                    min(scorer.n_window, unit.length), scorer.n_lookahead, scorer.temperature)
+            else:
+                prefill_chunk(scorer.model, mx.array(unit.tokens), work.cache)
+        except Exception as error:
+            self.scoring.pop(handle, None)
+            outcome.scored[handle] = error
+        outcome.scoring_seconds[handle] = time.perf_counter() - started
 
     def clear(self) -> None:
-        for table in (self.caches, self.snapshots, self.held, self.windows):
+        for table in (self.caches, self.snapshots, self.held, self.windows, self.scoring,
+                      self.samplers):
             table.clear()
-        self.rows.clear()
         self.groups.clear()
         self.batch = DecodeBatch(self.model, self.group, self.sampling)
         if self.prefix is not None:
             self.prefix.clear()
+        if self.draft_prefix is not None:
+            self.draft_prefix.clear()

@@ -1,7 +1,7 @@
 """Output processing, apart from the model work: detokenize, apply stop rules, and
 turn a request's tokens into stream chunks and its final Result.
 
-The scheduler hands each sampled token to `OutputProcessor.accept`; nothing here
+The worker hands each sampled token to `OutputProcessor.accept`; nothing here
 touches MLX.
 """
 
@@ -22,25 +22,37 @@ class OutputProcessor:
         self.detokenizer = tokenizer.detokenizer
         self.stopper = StopMatcher(params.stop)
         self.tokens: list[int] = []
+        self.logprobs: Optional[list] = None if params.logprobs is None else []
+        self.sent = 0  # logprobs already in a stream chunk
         self.parts: list[str] = []
         self.first_token_at: Optional[float] = None
         self.stop_string_hit = False
 
-    def accept(self, token: int) -> Optional[str]:
-        """Take one sampled token; return a finish reason when the request is done."""
+    def accept(self, token: int, logprob=None) -> Optional[str]:
+        """Take one sampled token (and its TokenLogprob when asked); return a finish
+        reason when the request is done."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         if token in self.stop_ids:
             return "stop"
         self.tokens.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
         self.detokenizer.add_token(token)
         text, self.stop_string_hit = self.stopper.feed(self.detokenizer.last_segment)
         self.parts.append(text)
         if self.stream and (text or not self.stop_string_hit):
-            self.emit(Chunk(text, [token], request_id=self.request_id))
+            self.emit(Chunk(text, [token], request_id=self.request_id,
+                            logprobs=self._unsent()))
         if self.stop_string_hit:
             return "stop"
         return "length" if len(self.tokens) >= self.max_tokens else None
+
+    def _unsent(self) -> Optional[list]:
+        if self.logprobs is None:
+            return None
+        unsent, self.sent = self.logprobs[self.sent :], len(self.logprobs)
+        return unsent
 
     def flush(self) -> str:
         """Release the text held back for stop matching, unless a stop string hit:
@@ -66,6 +78,7 @@ class OutputProcessor:
         usage.completion_tokens = len(self.tokens)
         if self.stream:
             self.emit(Chunk(tail, [], reason, usage, timings, report, self.request_id,
-                            list(warnings)))
+                            list(warnings), self._unsent()))
         self.emit(Result("".join(self.parts), list(self.tokens), reason, usage, timings, report,
-                         self.request_id, list(warnings)))
+                         self.request_id, list(warnings),
+                         None if self.logprobs is None else list(self.logprobs)))

@@ -1,15 +1,19 @@
-"""A turn of the worker as data: what the target computes in it, on every rank.
+"""A turn of the worker as data: what the models compute in it.
 
-The scheduler (rank 0) decides each turn's `TurnPlan` from the requests' states; the
+The worker (rank 0) decides each turn's `TurnPlan` from the requests' states; the
 executor (`executor.py`) runs it, the same on one process or on every rank of a sharded
-target, which receives it from rank 0 (`encode` / `decode`, broadcast by
-`distributed.py`). A plan holds target work only; the draft's scoring runs on rank 0
-alone and is not part of it.
+target, which receives its target work from rank 0 (`encode_plan` / `decode_plan`,
+broadcast by `distributed.py`). The draft's scoring units are rank 0's alone and do not
+travel.
 
 Order of a turn (the executor's): stores, drops, releases, joins, one decode step,
-restores, prefill chunks. Rows that ended in the last turn are stored and leave before
-the step; a request's prefill chunks run after it, so its first token comes in the turn
-of its last chunk and it joins the batch in the next.
+restores, prefill chunks (the last of a prompt samples its first token), then a unit of
+the draft's scoring. Rows that ended in the last turn are stored and leave before the
+step; a request's prefill chunks run after it, so its first token comes in the turn of
+its last chunk and it joins the batch in the next.
+
+`Feed` is what a model is to compute, and how far it got: a request's prefill, a
+densify job's, the draft's share of scoring. Its `unit` gives a turn's chunks.
 """
 
 from dataclasses import dataclass, field
@@ -41,10 +45,10 @@ class Restore:
 
 
 @dataclass
-class Chunk:
+class PrefillChunk:
     """One forward over part of a request's prompt. `positions`: each token's true
     position (SpecPrefill); None: they follow the cache. `last`: the prompt's last
-    chunk, whose last logits give the first token."""
+    chunk, whose last logits give the first token (sampled on rank 0)."""
 
     handle: int
     tokens: np.ndarray
@@ -55,13 +59,78 @@ class Chunk:
 
 @dataclass
 class Join:
-    """A request whose first token (sampled on rank 0) is known starts decoding:
-    `shift` moves its decode positions (SpecPrefill: M - cache entries)."""
+    """A request whose first token (sampled on rank 0) is known starts decoding at
+    position `length` (its prompt's: a SpecPrefill row's cache holds fewer entries)."""
 
     handle: int
     token: int
-    shift: int = 0
+    length: int
     solo: bool = False  # decodes on its own (a model whose caches cannot batch)
+
+
+@dataclass
+class ScoreUnit:
+    """One unit of a request's scoring by the draft (rank 0 alone), for a prompt of
+    `length` tokens: `tokens` of it through the draft, after `restore` (the first unit:
+    the draft's cache from its prefix cache) or what came before; the prompt's last
+    chunk `captures` the window's queries; a `lookahead` step adds a query; the `reduce`
+    unit turns the queries into the importance (`tokens`: the whole prompt, kept with
+    the draft's cache in its prefix cache when `store`)."""
+
+    handle: int
+    length: int
+    tokens: Optional[np.ndarray] = None
+    restore: Optional[Restore] = None
+    captures: bool = False
+    lookahead: bool = False
+    reduce: bool = False
+    store: bool = False
+
+
+@dataclass(eq=False)
+class Feed:
+    """Tokens a model computes: after `restore` (`cached` entries), `tokens` at
+    `positions` (each token's true position; None: consecutive after the cached
+    entries), in chunks ending at `chunk_ends` ((end, pause): a turn may end after a
+    pause); `checkpoints`: chunk end -> the prompt length a snapshot there stands for;
+    `fed`: how many are planned (a failure ends the work)."""
+
+    restore: Restore
+    tokens: np.ndarray
+    positions: Optional[np.ndarray] = None
+    cached: int = 0
+    chunk_ends: list = field(default_factory=list)
+    checkpoints: dict = field(default_factory=dict)
+    fed: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.fed == self.tokens.size
+
+    def unit(self, prompt_length: int = 0) -> list:
+        """The chunks of one turn from `fed` on: up to the first pause, or the feed's end
+        (the `last` chunk when `prompt_length`: it samples the first token and snapshots
+        the cache as that prefix)."""
+        chunks = []
+        for end, pause in self.chunk_ends:
+            if end <= self.fed:
+                continue
+            last = end == self.tokens.size
+            checkpoint = prompt_length if last else self.checkpoints.get(end, 0)
+            chunks.append(PrefillChunk(
+                self.restore.handle, self.tokens[self.fed:end],
+                None if self.positions is None else self.positions[self.fed:end],
+                last=last and prompt_length > 0, checkpoint=checkpoint))
+            self.fed = end
+            if pause or last:
+                break
+        return chunks
+
+    def add_unit(self, plan: "TurnPlan", prompt_length: int = 0) -> None:
+        """This turn's chunks into `plan`, after the restore when they are the first."""
+        if self.fed == 0:
+            plan.restores.append(self.restore)
+        plan.chunks += self.unit(prompt_length)
 
 
 @dataclass
@@ -73,11 +142,17 @@ class TurnPlan:
     decode: bool = False
     restores: list = field(default_factory=list)
     chunks: list = field(default_factory=list)
+    scoring: list = field(default_factory=list)  # ScoreUnits (rank 0 alone)
+    draft_drops: list = field(default_factory=list)  # draft prefix-cache keys (rank 0)
     shutdown: bool = False
 
-    def __bool__(self) -> bool:
+    def targets(self) -> bool:
+        """Whether the plan holds target work (what the other ranks must run)."""
         return bool(self.stores or self.drops or self.releases or self.joins or self.decode
                     or self.restores or self.chunks or self.shutdown)
+
+    def __bool__(self) -> bool:
+        return self.targets() or bool(self.scoring or self.draft_drops)
 
 
 # encoding for the broadcast: one int32 array, an op code then its fields ------------
@@ -90,7 +165,8 @@ def _array(values: list, i: int, n: int, dtype) -> np.ndarray:
     return np.asarray(values[i : i + n], dtype=dtype)
 
 
-def encode(plan: TurnPlan) -> np.ndarray:
+def encode_plan(plan: TurnPlan) -> np.ndarray:
+    """The plan's target work as one int32 array (the draft's stays on rank 0)."""
     out: list = []
     for store in plan.stores:
         positions = [] if store.positions is None else store.positions.tolist()
@@ -102,7 +178,7 @@ def encode(plan: TurnPlan) -> np.ndarray:
     for handle in plan.releases:
         out += [_RELEASE, handle]
     for join in plan.joins:
-        out += [_JOIN, join.handle, join.token, join.shift, int(join.solo)]
+        out += [_JOIN, join.handle, join.token, join.length, int(join.solo)]
     if plan.decode:
         out += [_DECODE]
     for restore in plan.restores:
@@ -118,7 +194,7 @@ def encode(plan: TurnPlan) -> np.ndarray:
     return np.asarray(out, dtype=np.int32)
 
 
-def decode(values: np.ndarray) -> TurnPlan:
+def decode_plan(values: np.ndarray) -> TurnPlan:
     plan, values, i = TurnPlan(), values.tolist(), 0
     while i < len(values):
         op = values[i]
@@ -137,8 +213,8 @@ def decode(values: np.ndarray) -> TurnPlan:
             plan.releases.append(values[i + 1])
             i += 2
         elif op == _JOIN:
-            handle, token, shift, solo = values[i + 1 : i + 5]
-            plan.joins.append(Join(handle, token, shift, bool(solo)))
+            handle, token, length, solo = values[i + 1 : i + 5]
+            plan.joins.append(Join(handle, token, length, bool(solo)))
             i += 5
         elif op == _DECODE:
             plan.decode = True
@@ -155,7 +231,7 @@ def decode(values: np.ndarray) -> TurnPlan:
             if flags & 2:
                 positions = _array(values, i, n, np.int64)
                 i += n
-            plan.chunks.append(Chunk(handle, tokens, positions, bool(flags & 1), checkpoint))
+            plan.chunks.append(PrefillChunk(handle, tokens, positions, bool(flags & 1), checkpoint))
         elif op == _SHUTDOWN:
             plan.shutdown = True
             i += 1

@@ -2,25 +2,46 @@
 prefills the engine runs anyway. No timed prefill runs on a request's path.
 
 A prefill of L tokens after C cached entries costs W = 2 * parameters * L FLOPs in the
-weights and A = 4 * layers * heads * head_dim * (L*C + L^2/2) in attention. Its time is
-fit per model as t = a*W + b*A (least squares, a, b >= 0) over that model's recent
-prefills (every scoring and target prefill adds one, but a process's first of each
-model, which pays one-time costs: kernel compiles on a GPU, buffer allocations). Until a model has prefills of two
-lengths, both terms share one rate (its observed seconds per FLOP, or the other model's,
-or, before anything ran, any: then only the FLOP ratio decides). So a process's first
-request is decided from the shapes, and the fits take over as requests run. The
-observations persist per (target, draft, device) in the user's cache directory
-(`cache_dir()`), so a new process starts from the last one's fits.
+weights and A = 4 * layers * heads * head_dim * (L*C + L^2/2) in attention, plus a fixed
+cost per call (kernel launches, sampling, the scoring step's lookahead and importance).
+Its time is fit per model as t = c + a*W + b*A over that model's recent prefills:
+- on relative errors, so a 1-token prefill and a 32K one count alike; the fixed cost c
+  explains what a few-token prefill takes, so such a prefill cannot set the FLOP rates;
+- robustly: each point's weight falls with its distance from the fit in log time
+  (Huber), so an outlier (a kernel compiled for a new shape) barely moves it, and older
+  points weigh less until they age out (`HISTORY` points, `MAX_AGE_S`);
+- with a weak prior: both rates equal to the model's own seconds per FLOP over its
+  longer prefills, else the other model's, else any (then only the FLOP ratio decides),
+  and no fixed cost; it decides what the points leave open (a model seen at one length)
+  and fades as long prefills are measured;
+- with each rate bounded by the other model's measured one: per FLOP, the smaller
+  model is between `RATE_BOUNDS` times the larger's (small models use a device less
+  well, never a thousand times less).
+A process's first prefill of each model counts only where it was faster than predicted
+(it pays one-time costs, kernel compiles on a GPU and buffer allocations, which only slow
+it; a faster one says the belief was too pessimistic).
 
 SpecPrefill is engaged when the predicted dense time exceeds the predicted SpecPrefill
 time (the draft on what its prefix cache lacks + the target on the kept tokens) by
-more than `margin`.
+more than `margin`. A policy that declines where the shapes alone predict a large gain
+(`RECHECK_GAIN`) engages now and then anyway, at growing intervals, so a wrong fit is
+measured and corrected instead of locking itself in (`Recheck`).
+
+The points persist per (target, draft, device) in the user's cache directory
+(`cache_dir()/costs`, versioned, with the models' shapes); a file that cannot be read,
+is of another version or shape, or holds implausible points is dropped (point by point
+where it can be) with a log line. Deleting the folder clears them.
 """
 
 import hashlib
+import itertools
 import json
 import logging
+import math
+import os
 import platform
+import tempfile
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +54,21 @@ import numpy as np
 from ..loading import cache_dir
 
 logger = logging.getLogger(__name__)
-HISTORY = 32  # observations kept per model
+VERSION = 2  # of the persisted file
+HISTORY = 64  # points kept per model
+HALF_LIFE = 32  # points: a point this many observations old weighs half
+MAX_AGE_S = 30 * 86400  # persisted points older than this are dropped
+LONG = 256  # tokens: a prefill long enough for its FLOPs to dominate its fixed cost
+RATE_BOUNDS = (0.5, 32.0)  # the smaller model's seconds per FLOP / the larger's
+ATTENTION_SLACK = 4.0  # attention's rate may stray this much further (other kernels)
+PRIOR_WEIGHT = 0.05  # of each prior point, against 1 for a measured one (less as long
+# prefills are measured)
+HUBER = 0.3  # log-time distance beyond which a point's weight falls
+RECHECK_GAIN = 2.0  # shapes predicting at least this gain make a decline re-checked
+RECHECK_MAX = 64  # the longest interval between re-checks, in declines
+_PRIOR_PREFILLS = ((512, 0), (4096, 0), (4096, 4096))  # (tokens, cached) the prior speaks of
+_PLAUSIBLE_RATE = (1e-17, 1e-5)  # seconds per FLOP of a long prefill on any machine
+_MAX_SECONDS = 3600.0
 
 
 @dataclass(frozen=True)
@@ -69,19 +104,99 @@ def shape_of(model: nn.Module) -> Shape:
     return Shape(int(total), int(layers * heads * head_dim))
 
 
-def _fit(points, shape: Shape) -> Optional[tuple[float, float]]:
-    """(a, b) for t = a*W + b*A, or None with fewer than two distinct lengths."""
-    if len({(p[0], p[1]) for p in points}) < 2:
-        return None
-    design = np.array([shape.flops(tokens, cached) for tokens, cached, _ in points])
-    times = np.array([p[2] for p in points], dtype=np.float64)
-    if not design[:, 1].any():
-        return float(times.sum() / design[:, 0].sum()), 0.0
-    (a, b), *_ = np.linalg.lstsq(design, times, rcond=None)
-    if a < 0 or b < 0:  # one term alone
-        rate = float(times.sum() / design.sum())
-        return rate, rate
-    return float(a), float(b)
+@dataclass(frozen=True)
+class Law:
+    """t = fixed + weights_rate * W + attention_rate * A, in seconds."""
+
+    fixed: float
+    weights_rate: float
+    attention_rate: float
+
+    def seconds(self, shape: Shape, tokens: int, cached: int) -> float:
+        weights, attention = shape.flops(tokens, cached)
+        return self.fixed + self.weights_rate * weights + self.attention_rate * attention
+
+
+def _box_least_squares(design: np.ndarray, target: np.ndarray, lower: np.ndarray,
+                       upper: np.ndarray) -> np.ndarray:
+    """argmin |design x - target|^2 with lower <= x <= upper, for a few unknowns: the
+    optimum has each unknown free or at one of its bounds, so every such case is tried."""
+    best, best_cost = None, math.inf
+    n = design.shape[1]
+    for case in itertools.product((None, "lower", "upper"), repeat=n):
+        x = np.where([c == "lower" for c in case], lower, 0.0)
+        x = np.where([c == "upper" for c in case], upper, x)
+        if not np.all(np.isfinite(x)):
+            continue
+        free = [i for i, c in enumerate(case) if c is None]
+        if free:
+            rest = target - design @ x
+            x[free] = np.linalg.lstsq(design[:, free], rest, rcond=None)[0]
+        if np.any(x < lower - 1e-12) or np.any(x > upper * (1 + 1e-9) + 1e-300):
+            continue
+        cost = float(np.sum((design @ x - target) ** 2))
+        if cost < best_cost:
+            best, best_cost = x, cost
+    return best
+
+
+def fit(shape: Shape, points, prior_rate: float,
+        bounds: Optional[tuple[float, float]] = None) -> Law:
+    """The robust, prior-anchored fit of t = c + a*W + b*A described in the module
+    docstring. `points`: (tokens, cached, seconds), oldest first; `bounds`: for the
+    weights' rate (the attention's gets `ATTENTION_SLACK` more room each way)."""
+    prior = [(tokens, cached, prior_rate * sum(shape.flops(tokens, cached)))
+             for tokens, cached in _PRIOR_PREFILLS]
+    rows = np.array([(1.0, *shape.flops(t, c)) for t, c, _ in [*points, *prior]])
+    times = np.array([s for _, _, s in [*points, *prior]], dtype=np.float64)
+    ages = np.arange(len(points))[::-1]
+    long = sum(tokens >= LONG for tokens, _, _ in points)
+    base = np.concatenate([0.5 ** (ages / HALF_LIFE),
+                           np.full(len(prior), PRIOR_WEIGHT / (1 + long))])
+    scale = np.maximum(np.abs(rows).max(axis=0), 1e-300)
+    scaled = rows / scale / times[:, None]  # relative residuals
+    lower, upper = np.zeros(3), np.full(3, np.inf)
+    # the fixed cost is at most what a short prefill took (the median of those seen),
+    # else what a short one would take at the prior rate
+    short = [seconds for tokens, _, seconds in points if tokens < LONG]
+    upper[0] = float(np.median(short)) if short else prior_rate * sum(shape.flops(LONG, 0))
+    if bounds is not None:
+        lower[1:] = bounds[0], bounds[0] / ATTENTION_SLACK
+        upper[1:] = bounds[1], bounds[1] * ATTENTION_SLACK
+    if not rows[:, 2].any():  # no attention width known: its rate is moot
+        upper[2] = lower[2] = 0.0
+    weights = base.copy()
+    x = np.array([0.0, prior_rate, prior_rate])
+    for _ in range(6):
+        root = np.sqrt(weights)[:, None]
+        solved = _box_least_squares(scaled * root, root[:, 0], lower * scale, upper * scale)
+        if solved is None:
+            break
+        x = solved / scale
+        predicted = np.maximum(rows @ x, 1e-12)
+        distance = np.abs(np.log(predicted / times))
+        weights = base * np.minimum(1.0, HUBER / np.maximum(distance, 1e-12))
+    return Law(float(x[0]), float(x[1]), float(x[2]))
+
+
+@dataclass
+class Recheck:
+    """When a decline against the shapes' prediction engages anyway: the `interval`-th
+    such decline does, and each re-check doubles the interval (up to `RECHECK_MAX`)
+    until the policy engages by itself again."""
+
+    interval: int = 2
+    declines: int = 0
+
+    def due(self) -> bool:
+        self.declines += 1
+        if self.declines < self.interval:
+            return False
+        self.declines, self.interval = 0, min(2 * self.interval, RECHECK_MAX)
+        return True
+
+    def engaged(self) -> None:
+        self.interval, self.declines = Recheck.interval, 0
 
 
 @dataclass
@@ -92,50 +207,124 @@ class CostModel:
     draft: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     path: Optional[Path] = None  # where the observations persist
     warm: set = field(default_factory=set)  # models whose first prefill has been seen
+    recheck: Recheck = field(default_factory=Recheck)
+    _laws: dict = field(default_factory=dict)  # fits, until the next observation
+
+    def shape(self, which: str) -> Shape:
+        return self.target_shape if which == "target" else self.draft_shape
 
     def observe(self, which: str, tokens: int, cached: int, seconds: float) -> None:
-        if which not in self.warm:  # a process's first prefill of a model pays one-time costs
+        """A measured prefill. A process's first of each model pays one-time costs, which
+        only make it slower: it counts only where it was faster than predicted."""
+        if which not in self.warm:
             self.warm.add(which)
-            return
-        if tokens > 0 and seconds > 0:
-            getattr(self, which).append((int(tokens), int(cached), float(seconds)))
+            if seconds >= self.predict(which, tokens, cached):
+                return
+        if tokens > 0 and 0 < seconds < _MAX_SECONDS:
+            getattr(self, which).append((int(tokens), int(cached), float(seconds), time.time()))
+            self._laws.clear()
 
     def _rate(self, which: str) -> Optional[float]:
-        """Observed seconds per FLOP of a model, over all its prefills."""
-        points = getattr(self, which)
-        shape = self.target_shape if which == "target" else self.draft_shape
-        if not points:
-            return None
-        flops = sum(sum(shape.flops(tokens, cached)) for tokens, cached, _ in points)
-        return sum(p[2] for p in points) / max(flops, 1.0)
+        """A model's seconds per FLOP over its long prefills (the median), if any."""
+        shape = self.shape(which)
+        rates = [seconds / sum(shape.flops(tokens, cached))
+                 for tokens, cached, seconds, _ in getattr(self, which) if tokens >= LONG]
+        return float(np.median(rates)) if rates else None
+
+    def _long(self, which: str) -> int:
+        return sum(tokens >= LONG for tokens, *_ in getattr(self, which))
+
+    def law(self, which: str) -> Law:
+        """The model's fit; the one with fewer long prefills measured (the draft on a tie)
+        is bounded by the other's rate, so a bad point cannot spread from one to both."""
+        if which not in self._laws:
+            other = "draft" if which == "target" else "target"
+            own, theirs = self._rate(which), None
+            if self.draft_shape is not None:
+                theirs = self._rate(other)
+            prior = own or theirs or 1e-12
+            bounds = None
+            if theirs is not None and self._long(which) <= self._long(other) and \
+                    (which == "draft" or self._long(which) < self._long(other)):
+                low, high = RATE_BOUNDS
+                if self.shape(which).parameters > self.shape(other).parameters:
+                    low, high = 1 / high, 1 / low
+                bounds = (theirs * low, theirs * high)
+                prior = min(max(prior, bounds[0]), bounds[1])
+            points = [p[:3] for p in getattr(self, which)]
+            self._laws[which] = fit(self.shape(which), points, prior, bounds) if points \
+                else Law(0.0, prior, prior)
+        return self._laws[which]
 
     def predict(self, which: str, tokens: int, cached: int = 0) -> float:
-        shape = self.target_shape if which == "target" else self.draft_shape
-        weights, attention = shape.flops(tokens, cached)
-        fit = _fit(getattr(self, which), shape)
-        if fit is not None:
-            return fit[0] * weights + fit[1] * attention
-        other = "draft" if which == "target" else "target"
-        rate = self._rate(which) or self._rate(other) or 1e-12
-        return rate * (weights + attention)
+        if tokens <= 0:
+            return 0.0
+        return self.law(which).seconds(self.shape(which), tokens, cached)
 
     def load(self) -> None:
+        """The saved points, each checked; what cannot be trusted is dropped, said once."""
         try:
             saved = json.loads(self.path.read_text())
-            for which in ("target", "draft"):
-                getattr(self, which).extend(tuple(p) for p in saved.get(which, []))
-        except (OSError, ValueError, TypeError):
-            pass  # nothing saved yet, or unreadable: start from the shapes
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as error:
+            logger.warning("ignoring unreadable prefill costs in %s: %r", self.path, error)
+            return
+        if not isinstance(saved, dict) or saved.get("version") != VERSION:
+            version = saved.get("version") if isinstance(saved, dict) else None
+            logger.warning("ignoring prefill costs in %s: version %r, not %d", self.path,
+                           version, VERSION)
+            return
+        shapes = {"target": self.target_shape, "draft": self.draft_shape}
+        dropped = 0
+        for which, shape in shapes.items():
+            entry = saved.get(which)
+            if shape is None or not isinstance(entry, dict):
+                continue
+            if entry.get("shape") != [shape.parameters, shape.attention]:
+                logger.warning("ignoring the %s's prefill costs in %s: saved for another "
+                               "model shape", which, self.path)
+                continue
+            points = entry.get("points") if isinstance(entry.get("points"), list) else []
+            good = [tuple(p) for p in points if _plausible(p, shape)]
+            dropped += len(points) - len(good)
+            getattr(self, which).extend(good[-HISTORY:])
+        if dropped:
+            logger.warning("dropped %d implausible prefill cost points from %s", dropped,
+                           self.path)
 
     def save(self) -> None:
         if self.path is None or not (self.target or self.draft):
             return
+        saved = {"version": VERSION}
+        for which in ("target", "draft"):
+            shape = self.shape(which)
+            if shape is not None:
+                saved[which] = {"shape": [shape.parameters, shape.attention],
+                                "points": list(getattr(self, which))}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps({"target": list(self.target),
-                                             "draft": list(self.draft)}))
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp",
+                                             delete=False) as file:
+                file.write(json.dumps(saved))
+            os.replace(file.name, self.path)  # never a half-written file for another process
         except OSError as error:
             logger.info("could not save prefill costs to %s: %r", self.path, error)
+
+
+def _plausible(point, shape: Shape) -> bool:
+    """A saved point this model could have produced on some machine, and recent."""
+    if not isinstance(point, list) or len(point) != 4:
+        return False
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in point):
+        return False
+    tokens, cached, seconds, at = point
+    if tokens < 1 or cached < 0 or not 0 < seconds < _MAX_SECONDS:
+        return False
+    if not time.time() - MAX_AGE_S < at < time.time() + 86400:
+        return False
+    rate = seconds / max(sum(shape.flops(int(tokens), int(cached))), 1.0)
+    return tokens < LONG or _PLAUSIBLE_RATE[0] <= rate <= _PLAUSIBLE_RATE[1]
 
 
 def cost_model(target: nn.Module, draft: Optional[nn.Module], key: tuple) -> CostModel:
@@ -174,6 +363,16 @@ def predict(costs: CostModel, prompt_tokens: int, dense_cached: int, draft_cache
     sparse = costs.predict("draft", prompt_tokens - draft_cached, draft_cached) + \
         costs.predict("target", kept_tokens)
     return Prediction(dense, sparse)
+
+
+def shapes_gain(costs: CostModel, prompt_tokens: int, dense_cached: int, draft_cached: int,
+                kept_tokens: int) -> float:
+    """The gain the FLOPs alone predict (one rate for both models, no fixed costs)."""
+    target, draft = costs.target_shape, costs.draft_shape
+    dense = sum(target.flops(prompt_tokens - dense_cached, dense_cached))
+    sparse = sum(draft.flops(prompt_tokens - draft_cached, draft_cached)) + \
+        sum(target.flops(kept_tokens, 0))
+    return dense / max(sparse, 1.0)
 
 
 def expected_kept(prompt_tokens: int, keep: float, protected: Optional[np.ndarray],

@@ -4,7 +4,8 @@ An agent calls the model again and again with one growing prompt, so the previou
 turn's cache (prompt and reply) can be reused and only what is new prefilled. An
 entry stands for a token sequence and holds the cache entries it was fed: every
 position (dense) or only those a SpecPrefill request kept (sparse, each entry at its
-original position, listed in `positions`).
+original position, listed in `positions` in the order they were fed: ascending, but
+for a repaired view, whose added passages follow entries of later positions).
 
 Plain `KVCache` layers are stored once and cut to any prefix at lookup. Every other
 layer (conv/SSM states, sliding windows, `CacheList`, ...) cannot be cut, so it is
@@ -133,9 +134,13 @@ class Entry:
         return int(gaps[0]) if gaps.size else int(self.positions.size)
 
     def count_before(self, position: int) -> int:
+        """How many leading entries (in the order they were fed) are at positions before
+        `position`: the entries a restore there keeps. A repaired view holds a passage
+        fed after later positions; a cut before it stops at its first entry past the cut."""
         if self.positions is None:
             return min(position, self.tokens.size)
-        return int(np.searchsorted(self.positions, position))
+        past = np.flatnonzero(self.positions >= position)
+        return int(past[0]) if past.size else int(self.positions.size)
 
     @property
     def cuts_anywhere(self) -> bool:
@@ -219,9 +224,9 @@ def _validated(tokens: np.ndarray, positions: Optional[np.ndarray], checkpoints:
                cache: list) -> None:
     if positions is not None:
         if positions.ndim != 1 or positions.size > tokens.size or (positions.size and (
-                positions[0] < 0 or positions[-1] >= tokens.size
-                or np.any(np.diff(positions) <= 0))):
-            raise ValueError("positions must be increasing positions within tokens")
+                positions.min() < 0 or positions.max() >= tokens.size
+                or np.unique(positions).size != positions.size)):
+            raise ValueError("positions must be distinct positions within tokens")
     probe = Entry(tokens, positions, [], {}, -1)
     layers = {i for i, c in enumerate(cache) if not cuttable(c)}
     for length, snap in checkpoints.items():

@@ -5,6 +5,17 @@ from typing import Optional
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token's log-probability and the likeliest alternatives, (token id,
+    logprob) most likely first: log_softmax of the model's logits at that step, before
+    logits processors, penalties and temperature."""
+
+    token: int
+    logprob: float
+    top: list = field(default_factory=list)
+
+
+@dataclass
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -64,6 +75,9 @@ class Chunk:
     request_id: str = ""
     warnings: list = field(default_factory=list)
     """As `Result.warnings`, on the last chunk."""
+    logprobs: Optional[list] = None
+    """With `logprobs` asked: a TokenLogprob per token since the previous chunk (the last
+    chunk carries those whose text a stop string held back)."""
 
 
 @dataclass
@@ -77,3 +91,4 @@ class Result:
     request_id: str = ""
     warnings: list = field(default_factory=list)
     """What the engine changed about the request, e.g. a max_tokens clamped to the context."""
+    logprobs: Optional[list] = None  # with `logprobs` asked: a TokenLogprob per token_ids entry

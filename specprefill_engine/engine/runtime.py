@@ -1,6 +1,7 @@
 """Everything the worker thread owns: models, tokenizer, scorer, prefix cache."""
 
 import logging
+import math
 import os
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -28,10 +29,24 @@ logger = logging.getLogger(__name__)
 def default_step_size() -> int:
     """Tokens in the first unit of prefill work; on a CPU later units shrink so each
     costs as much (attention grows with the context: `core.prefill.unit_tokens`). A
-    unit must take well under a second so decoding streams keep flowing: on this
-    project's 2-core CPU the demo target's units take 0.1-0.4 s at 256 tokens (0.7-0.8 s
-    at 512), so 256 there; a GPU wants large chunks."""
+    unit must take well under a second so decoding streams keep flowing, so 256 on a
+    CPU (docs/how-it-works.md, "Batching"); a GPU wants large chunks."""
     return 256 if mx.default_device() == mx.cpu else 2048
+
+
+def check_keep(keep, name: str = "keep") -> float:
+    """A share of the prompt to prefill: in (0, 1]."""
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or \
+            not math.isfinite(keep) or not 0 < keep <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {keep!r}")
+    return keep
+
+
+def check_count(value, name: str) -> int:
+    """An integer >= 1 (a token count, a size)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -53,7 +68,7 @@ class EngineConfig:
     prefix_cache_bytes: int = 4 << 30
     max_batch_size: int = 32
     kv_cache_bytes: Optional[int] = None
-    draft_prefix_cache_bytes: int = 1 << 30
+    draft_prefix_cache_bytes: int = 4 << 30
     prefix_cache_disk_bytes: int = 0  # both models' files on disk, least recently used out; 0: off
     prefix_cache_disk_bits: int = 0  # 8 or 4: KV stored quantized on disk; 0: as computed
     cache_dir: Optional[str] = None  # the disk tier's folder's parent; None: `cache_dir()`
@@ -65,17 +80,14 @@ class EngineConfig:
     densify: str = "idle"  # "idle": compute a SpecPrefill turn's dense KV while idle; "off"
 
     def __post_init__(self):
-        if not (isinstance(self.keep, (int, float)) and 0 < self.keep <= 1):
-            raise ValueError(f"keep must be in (0, 1], got {self.keep!r}")
+        check_keep(self.keep)
         if not 0 <= self.specprefill_margin:
             raise ValueError(f"specprefill_margin must be >= 0, got {self.specprefill_margin!r}")
         if not 0 <= self.reuse_coverage <= 1:
             raise ValueError(f"reuse_coverage must be in [0, 1], got {self.reuse_coverage!r}")
         for name in ("threshold", "chunk_size", "max_batch_size", "n_lookahead",
                      "recent_message_cap"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_count(getattr(self, name), name)
         cap = self.system_message_cap
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
             raise ValueError(f"system_message_cap must be an integer >= 0, got {cap!r}")
@@ -96,9 +108,8 @@ class EngineConfig:
             raise TypeError(f"cache_dir must be a path or None, got {self.cache_dir!r}")
         for name in ("step_size", "draft_step_size", "kv_cache_bytes"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+            if value is not None:
+                check_count(value, f"{name} (None or an integer >= 1)")
 
 
 @dataclass

@@ -9,8 +9,11 @@ from typing import Callable, Iterable, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+from .results import TokenLogprob
+
 # processor(generated tokens of this request (1-D int32), logits (1, vocab)) -> logits
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's bound)
 
 
 def _number(name: str, value, low: float, high: float, *, low_open=False, high_open=False):
@@ -56,6 +59,7 @@ class SamplingParams:
     stop: tuple = ()
     stop_token_ids: tuple = ()
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
+    logprobs: Optional[int] = None  # k: each token's logprob and the k likeliest (vLLM's)
 
     def __post_init__(self):
         _integer("max_tokens", self.max_tokens, 1)
@@ -84,6 +88,8 @@ class SamplingParams:
         )
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.logprobs is not None and _integer("logprobs", self.logprobs, 0) > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +116,99 @@ def make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
         return mx.random.categorical(logprobs * (1.0 / params.temperature), key=step_key)
 
     return sample
+
+
+
+@dataclass(eq=False)
+class RowSampler:
+    """How one row is sampled on rank 0: the request's settings, its sampler (with its own
+    PRNG key) and its logits processors (each `(generated tokens, logits) -> logits`)."""
+
+    params: SamplingParams
+    sampler: Callable[[mx.array], mx.array]
+    processors: list
+
+
+def row_sampler(params: SamplingParams, prompt_tail: Sequence[int],
+                processors: Sequence[LogitsProcessor] = ()) -> RowSampler:
+    """A request's sampler: the repetition penalty (seeing the prompt's last tokens),
+    then the caller's processors in order."""
+    return RowSampler(params, make_sampler(params),
+                      [*make_processors(params, prompt_tail), *processors])
+
+
+GREEDY = RowSampler(SamplingParams(), lambda logprobs: mx.argmax(logprobs, axis=-1), [])
+
+
+def _processed(row: RowSampler, context: mx.array, logits: mx.array) -> mx.array:
+    shape = logits.shape
+    for processor in row.processors:
+        logits = processor(context, logits)
+    if logits.shape != shape:
+        raise ValueError(f"a logits processor returned shape {logits.shape}, not {shape}")
+    return logits
+
+
+def sample_rows(rows: list, logits: mx.array, contexts: list,
+                failed: Optional[dict] = None) -> tuple[mx.array, Optional[tuple]]:
+    """(B, vocab) logits -> (B,) tokens: each row's processors (seeing `contexts[i]`, its
+    generated tokens so far), then its sampler. A row whose processors raise is sampled
+    from its raw logits and recorded in `failed` (index -> error); the others are
+    unaffected. Second, when a row asks for logprobs, `token_logprobs` of the raw logits
+    (lazy, in the sample's graph; for every row, at the largest k asked), else None."""
+    ks = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+    raw = logits
+    if any(row.processors for row in rows):
+        parts = []
+        for index, row in enumerate(rows):
+            row_logits = logits[index : index + 1]
+            if row.processors:
+                try:
+                    row_logits = _processed(row, contexts[index], row_logits)
+                except Exception as error:  # this row fails; the others go on
+                    if failed is None:
+                        raise
+                    failed[index] = error
+                    row_logits = logits[index : index + 1]
+            parts.append(row_logits)
+        logits = mx.concatenate(parts, axis=0)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if all(row.params.greedy for row in rows):
+        tokens = mx.argmax(logprobs, axis=-1)
+    else:
+        tokens = mx.concatenate(
+            [row.sampler(logprobs[index : index + 1]) for index, row in enumerate(rows)], axis=0)
+    return tokens, (token_logprobs(raw, tokens, max(ks)) if ks else None)
+
+
+def token_logprobs(logits: mx.array, tokens: mx.array, k: int) -> tuple:
+    """Lazy log_softmax of the model's raw logits (before processors, penalties and
+    temperature, as vLLM reports them): (B,) the chosen tokens', then for k > 0 (B, k)
+    the ids and logprobs of the k likeliest, unordered."""
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, tokens.astype(mx.int32)[:, None], axis=-1)[:, 0]
+    if k == 0:
+        return (chosen,)
+    top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+    return chosen, top, mx.take_along_axis(logprobs, top, axis=-1)
+
+
+def read_logprobs(arrays: Optional[tuple], tokens: list, ks: list) -> list:
+    """`token_logprobs`' arrays read back: per row, a TokenLogprob of its token with its
+    k alternatives, or None where k is None (the row did not ask)."""
+    if arrays is None:
+        return [None] * len(tokens)
+    mx.eval(arrays)
+    chosen, *top_k = (a.tolist() for a in arrays)
+    ids, values = top_k or (None, None)
+    read = []
+    for index, (token, k) in enumerate(zip(tokens, ks)):
+        top = []
+        if k:
+            top = sorted(zip(ids[index], values[index]), key=lambda pair: -pair[1])[:k]
+        read.append(None if k is None else TokenLogprob(token, chosen[index], top))
+    return read
 
 
 def make_processors(params: SamplingParams, prompt_tail: Sequence[int]) -> list:

@@ -87,16 +87,3 @@ def protect(ids: np.ndarray, special: np.ndarray, roles: list, bounds: list,
     if tool_span is not None:
         keep[tool_span[0] : tool_span[1]] = True
     return keep
-
-
-def protected_tokens(tokenizer, messages: list, ids: np.ndarray, tools: Optional[list] = None,
-                     chat_template_kwargs: Optional[dict] = None, **caps) -> np.ndarray:
-    """The protected mask of `ids`, the chat's rendered prompt (renders it again: a
-    caller that renders should use `chat.render_chat`, which gives both). `caps`:
-    render_chat's `recent_cap` and `system_cap`."""
-    from .chat import render_chat
-
-    rendered = render_chat(tokenizer, messages, tools, chat_template_kwargs, **caps)
-    if not np.array_equal(rendered.tokens, ids):
-        raise ValueError("ids are not this chat's rendered prompt")
-    return rendered.protected

@@ -1,25 +1,56 @@
-"""One request's state, from submission to its Result, owned by the scheduler.
+"""One request's state, from submission to its Result: the worker's metadata about it.
 
 The caller's thread builds it (prompt tokens, validated options, the grammar compiled)
 and from then on only the worker mutates it, except `cancelled`, the one flag a caller
-sets. Its progress is fields, not a generator's frame: `status`, and while prefilling
-what the target computes (`feed`, at `feed_positions`, after `cached` restored entries)
-and how far it got (`fed` of them, in `chunk_ends`). `describe()` prints it.
+sets. Its progress is fields: `status` (one lifecycle, `Status`), the draft's scoring
+(`scoring`), what the target computes (`prefill`, a `Feed`) and what it generated.
+The tensors it works with are the executor's, named by `handle`. `describe()` prints it.
 """
 
+import enum
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from .output import OutputProcessor
-from .plan import Restore
+from .plan import Feed
 from .results import SpecPrefillReport, Timings, Usage
-from .sampling import SamplingParams, make_processors, make_sampler
+from .sampling import RowSampler, SamplingParams, row_sampler
 
-WAITING, SCORING, PREFILLING, DECODING, ENDED = "waiting", "scoring", "prefilling", "decoding", "ended"
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # submitted, not admitted
+    SCORING = "scoring"  # admitted: the draft scores its prompt
+    PREFILLING = "prefilling"  # admitted: the target computes its feed
+    PREFILLED = "prefilled"  # its last chunk is planned: the first token comes next
+    JOINING = "joining"  # its first token is out: it joins the decode in the next plan
+    DECODING = "decoding"
+    LEAVING = "leaving"  # its result is out: its cache is stored and released next
+    ENDED = "ended"  # released: gone from the table
+
+
+RUNNING = (Status.SCORING, Status.PREFILLING, Status.PREFILLED, Status.JOINING,
+           Status.DECODING)
+
+
+@dataclass(eq=False)
+class Scoring:
+    """A request's scoring by the draft, as progress: the prompt through the draft
+    (`feed`, before the capturing chunk), then the capturing chunk (`capture`, the
+    prompt's last tokens), the lookahead steps and the reduction to importance."""
+
+    feed: Feed
+    capture: np.ndarray
+    lookahead: int  # lookahead steps left
+    captured: bool = False
+    busy: float = 0.0  # seconds in its units (for the cost model)
+
+    def tokens_done(self) -> int:
+        """Prompt tokens through the draft so far."""
+        return self.feed.cached + self.feed.fed + (self.capture.size if self.captured else 0)
 
 
 @dataclass(eq=False, repr=False)  # identity, never field-wise comparison (token arrays)
@@ -28,15 +59,16 @@ class RequestState:
     tokens: np.ndarray
     params: SamplingParams
     emit: Callable[[object], None]
+    keep: float
+    threshold: int
+    max_tokens: int
+    output: OutputProcessor  # made with the state, on the caller's thread
     specprefill: Optional[bool] = None
-    keep: float = 0.3
-    threshold: int = 1024
     stream: bool = False
     progress: bool = False
     constraint: Optional[Callable] = None  # the response_format's processor, built by the caller
     logits_processors: list = field(default_factory=list)
     cache_prompt: bool = True
-    max_tokens: int = 256
     protected: Optional[np.ndarray] = None  # tokens SpecPrefill must keep (chat segments)
     warnings: list = field(default_factory=list)
     boundaries: tuple = ()  # where chat messages (and the generation prompt) start
@@ -44,61 +76,50 @@ class RequestState:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     # filled in on the worker
+    handle: int = 0  # names the request in the table, in plans and on the other ranks
+    status: Status = Status.WAITING
+    finish_reason: Optional[str] = None  # why it ended ("error" with an error)
     usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
     report: SpecPrefillReport = field(default_factory=SpecPrefillReport)
-    output: Optional[OutputProcessor] = None  # made with the state, on the caller's thread
-    sampler: Optional[Callable] = None
-    processors: list = field(default_factory=list)
     generated: list = field(default_factory=list)  # tokens sampled and read back so far
-    status: str = WAITING
-    handle: int = 0  # names the request in turn plans (and to the other ranks)
     reserved_bytes: int = 0
     started: Optional[float] = None
-    # scoring (the draft, rank 0 only): its unit generator and progress
-    scoring: Optional[Generator] = None
-    scoring_cache: Optional[list] = None  # the draft's cache while scoring
-    scored: tuple = (0, 0)  # (prompt tokens through the draft, all)
-    scoring_busy: float = 0.0  # seconds spent in its units (for the cost model)
-    # the target prefill: what to restore, what to feed and where each token sits
-    restore: Optional[Restore] = None
-    feed: Optional[np.ndarray] = None
-    feed_positions: Optional[np.ndarray] = None  # None: consecutive after the cached entries
-    cached: int = 0  # entries restored from the prefix cache
+    scoring: Optional[Scoring] = None  # the draft's scoring (rank 0 only)
+    prefill: Optional[Feed] = None  # what the target computes
+    prefill_busy: float = 0.0  # seconds in its chunks (for the cost model)
     densified: bool = False  # dense after a densified prefix: its entries count as densified
-    fed: int = 0  # feed tokens computed (planned: a failure ends the request)
-    prefill_busy: float = 0.0  # seconds spent in its chunks (for the cost model)
-    chunk_ends: list = field(default_factory=list)  # (end, pause) of the planned chunks
-    checkpoints: dict = field(default_factory=dict)  # chunk end -> the prompt length it is
     positions: Optional[np.ndarray] = None  # each prompt cache entry's position; None: all
-    shift: int = 0  # decode position minus cache entries (SpecPrefill rows)
-    first_token: Optional[int] = None  # sampled, not yet joined to a decode
-    finish_reason: Optional[str] = None
-    finished: bool = False  # its Result or error has gone out
+    stored_reply: Optional[int] = None  # at its end: reply tokens its kept cache holds
 
     def __post_init__(self):
         self.usage.prompt_tokens = int(self.tokens.size)
         self.report.total_tokens = self.report.kept_tokens = int(self.tokens.size)
         self.report.keep = self.keep
 
-    def start(self) -> None:
-        """On the worker, when the request is admitted: its sampler and processors."""
+    @property
+    def finished(self) -> bool:
+        """Its result or error has gone out."""
+        return self.status in (Status.LEAVING, Status.ENDED)
+
+    def start(self) -> RowSampler:
+        """On the worker, when the request is admitted: how its tokens are sampled."""
         self.started = time.perf_counter()
         self.timings.queue_wait = self.started - self.submitted
-        self.sampler = make_sampler(self.params)
-        self.processors = make_processors(self.params, self.tokens[-32:].tolist())
-        self.processors.extend(self.logits_processors)
+        processors = [*self.logits_processors]
         if self.constraint is not None:
-            self.processors.append(self.constraint)
+            processors.append(self.constraint)
+        return row_sampler(self.params, self.tokens[-32:].tolist(), processors)
 
     def describe(self) -> str:
-        text = f"{self.id} (#{self.handle}) {self.status}"
-        if self.status == SCORING:
-            text += f" {self.scored[0]}/{self.scored[1]} tokens through the draft"
-        elif self.status == PREFILLING and self.feed is not None:
-            text += (f" {self.fed}/{self.feed.size} target tokens after {self.cached} cached"
-                     f"{' (sparse)' if self.feed_positions is not None else ''}")
-        elif self.status in (DECODING, ENDED):
+        text = f"{self.id} (#{self.handle}) {self.status.value}"
+        if self.status is Status.SCORING:
+            text += f" {self.scoring.tokens_done()}/{self.tokens.size} tokens through the draft"
+        elif self.status is Status.PREFILLING and self.prefill is not None:
+            feed = self.prefill
+            text += (f" {feed.fed}/{feed.tokens.size} target tokens after {feed.cached} cached"
+                     f"{' (sparse)' if feed.positions is not None else ''}")
+        elif self.status in (Status.DECODING, Status.LEAVING, Status.ENDED):
             text += f" {len(self.generated)}/{self.max_tokens} tokens"
         if self.finish_reason:
             text += f" [{self.finish_reason}]"

@@ -18,11 +18,16 @@ import asyncio
 import json
 import os
 import sys
+from contextlib import ExitStack
+from pathlib import Path
 
-from specprefill_engine import Engine
-from specprefill_engine.demo_tasks import make_case
-from specprefill_engine.engine.output import OutputProcessor
-from specprefill_engine.loading import DEMO_DRAFT
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the fault helper
+
+from faults import executor_fault  # noqa: E402
+from specprefill_engine import Engine  # noqa: E402
+from specprefill_engine.demo_tasks import make_case  # noqa: E402
+from specprefill_engine.engine.output import OutputProcessor  # noqa: E402
+from specprefill_engine.loading import DEMO_DRAFT  # noqa: E402
 
 OUT = sys.argv[1]
 SCENARIO = sys.argv[2] if len(sys.argv) > 2 else "outputs"
@@ -118,13 +123,13 @@ class Fault(RuntimeError):
 
 async def faults(engine) -> dict:
     a, b = prompt(engine.tokenizer, 1), prompt(engine.tokenizer, 2)
-    executor, accept = engine._scheduler.executor, OutputProcessor.accept
+    accept = OutputProcessor.accept
     out = {}
     for stage in ("join", "store", "output", "sample"):
         victim, fired, handles = f"victim-{stage}", [], []  # handles: seen at its prefill
 
         def is_victim(handle, victim=victim):
-            state = engine._scheduler.requests.get(victim)
+            state = engine._worker.find(victim)
             return state is not None and state.handle == handle
 
         def fault(handle, stage=stage, fired=fired, handles=handles):
@@ -132,22 +137,23 @@ async def faults(engine) -> dict:
                 fired.append(stage)
                 raise Fault(stage)
 
-        def faulty(self, token, victim=victim):
+        def faulty(self, token, logprob=None, victim=victim):
             if self.request_id == victim and len(self.tokens) >= 2:
                 raise Fault("output")
-            return accept(self, token)
+            return accept(self, token, logprob)
 
         def processor(generated, logits):
             if generated.size >= 2:
                 raise Fault("sample")
             return logits
 
-        extra = {"request_id": victim}
+        extra, injected = {"request_id": victim}, ExitStack()
         if stage in ("join", "store"):
-            executor.faults[stage] = fault
+            injected.enter_context(executor_fault(stage, fault))
         if stage == "store":  # stored as the request ends: its handle is noted before
-            executor.faults["prefill"] = lambda handle, handles=handles: handles.extend(
-                [handle] if is_victim(handle) else [])
+            injected.enter_context(executor_fault(
+                "prefill", lambda handle, handles=handles: handles.extend(
+                    [handle] if is_victim(handle) else [])))
         elif stage == "output":
             OutputProcessor.accept = faulty
         else:
@@ -156,14 +162,14 @@ async def faults(engine) -> dict:
                     dict(prompt=b, max_tokens=8, specprefill=True, **extra),
                     dict(prompt=a, max_tokens=7, specprefill=True, cache_prompt=False),
                     dict(prompt=b, max_tokens=5, specprefill=False, cache_prompt=False)]
-        results = await asyncio.gather(*(engine.generate(**r) for r in requests),
-                                       return_exceptions=True)
-        if stage == "store":  # the store runs in a turn after its request's result:
-            for _ in range(500):  # wait for it (at most 5 s) before the hook is removed
-                if fired:
-                    break
-                await asyncio.sleep(0.01)
-        executor.faults.clear()
+        with injected:
+            results = await asyncio.gather(*(engine.generate(**r) for r in requests),
+                                           return_exceptions=True)
+            if stage == "store":  # the store runs in a turn after its request's result:
+                for _ in range(500):  # wait for it (at most 5 s) before the hook is removed
+                    if fired:
+                        break
+                    await asyncio.sleep(0.01)
         OutputProcessor.accept = accept
         out[stage] = [type(r).__name__ if isinstance(r, BaseException) else row(r)
                       for r in results]

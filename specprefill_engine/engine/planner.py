@@ -1,10 +1,11 @@
-"""A request's prefill decisions, on rank 0: prefix-cache lookup, the SpecPrefill
+"""The planner: a request's prefill decisions, on rank 0: prefix-cache lookup, the SpecPrefill
 decision, draft scoring, selection, and what the target must compute.
 
-Each decision ends in fields of the request's state, which the scheduler turns into
-plan chunks: `restore` (a prefix entry and how many of its entries), `feed` (the
-tokens to compute after them), `feed_positions` (their true positions; None: dense),
-`chunk_ends`. Scoring runs on the draft alone, one unit per scheduler turn.
+Each decision ends in fields of the request's state, which the worker turns into
+plan operations: `scoring` (the draft's units, one per turn: its prompt chunks, the
+capturing chunk, the lookahead steps, the reduction) and `prefill` (a `Feed`: a prefix
+entry to restore and how many of its entries, the tokens to compute after them at
+their true positions, in chunks).
 
 Across an agent's turns (see docs/how-it-works.md, "Agent turns"):
 - the draft's prompt KV is kept, so scoring a grown prompt prefills only its new
@@ -24,21 +25,22 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
-import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import UnsupportedModelError, select_chunks
 from ..core.adapters import check_sparse_prefill_supported, sliding_window
 from ..core.prefill import chunk_cost, chunk_plan, prefill_weight
+from ..core.scoring import check_score_arguments, score_plan
 from ..core.sparse_prefill import cover_sliding_window
-from .plan import Chunk, Restore
-from .policy import expected_kept, predict
-from .prefix_cache import Hit, PrefixCache
+from .plan import Feed, Restore, ScoreUnit
+from .policy import RECHECK_GAIN, expected_kept, predict, shapes_gain
+from .prefix_cache import Hit, PrefixCache, checkpointed
 from .runtime import Runtime
-from .state import PREFILLING, SCORING, RequestState
+from .state import RequestState, Scoring, Status
 
 logger = logging.getLogger(__name__)
+REPLY_TOKENS = 512  # the most reply tokens a reuse decision counts decode for
 
 
 @dataclass
@@ -86,25 +88,33 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches,
                          draft_hit.cut if draft_hit else 0, kept)
     state.report.predicted_dense_s = prediction.dense_s
     state.report.predicted_specprefill_s = prediction.specprefill_s
-    if not prediction.pays(config.specprefill_margin):
-        return False, f"policy: {prediction.describe()} (< {1 + config.specprefill_margin:.2f}x)"
-    return True, f"policy: {prediction.describe()}"
+    costs = runtime.costs
+    if prediction.pays(config.specprefill_margin):
+        costs.recheck.engaged()
+        return True, f"policy: {prediction.describe()}"
+    shapes = shapes_gain(costs, length, dense_hit.cut if dense_hit else 0,
+                         draft_hit.cut if draft_hit else 0, kept)
+    if shapes >= RECHECK_GAIN and costs.recheck.due():  # a wrong fit must not lock itself in
+        return True, (f"policy: re-check: {prediction.describe()}, but the shapes alone "
+                      f"predict {shapes:.2f}x")
+    return False, f"policy: {prediction.describe()} (< {1 + config.specprefill_margin:.2f}x)"
 
 
 def _set_feed(state: RequestState, runtime: Runtime, hit: Optional[Hit], cut: int,
-              feed: np.ndarray, positions: Optional[np.ndarray]) -> None:
-    """What the target computes: `feed` after `hit`'s entries before position `cut`."""
+              tokens: np.ndarray, positions: Optional[np.ndarray]) -> None:
+    """What the target computes: `tokens` after `hit`'s entries before position `cut`."""
     used = hit is not None and cut > 0
-    state.restore = Restore(state.handle, hit.entry.key if used else -1, cut if used else 0)
-    state.cached = hit.entry.count_before(cut) if used else 0
-    state.feed, state.feed_positions, state.fed = feed, positions, 0
+    restore = Restore(state.handle, hit.entry.key if used else -1, cut if used else 0)
+    cached = hit.entry.count_before(cut) if used else 0
     weight = prefill_weight(runtime.model)
-    state.chunk_ends = chunk_plan(int(feed.size), state.cached, runtime.config.step_size, weight)
+    chunk_ends = chunk_plan(int(tokens.size), cached, runtime.config.step_size, weight)
+    checkpoints = {}
     if runtime.checkpointed:  # a cache that cannot be cut: a checkpoint at each boundary
-        state.chunk_ends, state.checkpoints = split_at_boundaries(
-            state.chunk_ends, state.boundaries, cut, feed.size, positions)
-    state.usage.cached_tokens = state.cached
-    state.status = PREFILLING
+        chunk_ends, checkpoints = split_at_boundaries(
+            chunk_ends, state.boundaries, cut, tokens.size, positions)
+    state.prefill = Feed(restore, tokens, positions, cached, chunk_ends, checkpoints)
+    state.usage.cached_tokens = cached
+    state.status = Status.PREFILLING
 
 
 def plan_dense(state: RequestState, runtime: Runtime, hit: Optional[Hit]) -> None:
@@ -118,46 +128,45 @@ def plan_dense(state: RequestState, runtime: Runtime, hit: Optional[Hit]) -> Non
 
 
 def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixCache]) -> None:
-    """Score the whole prompt, reusing the draft's prefix cache; one unit per turn."""
+    """Score the whole prompt, reusing the draft's prefix cache: its units are the draft's
+    prompt chunks from what the cache lacks, the chunk that captures the window's
+    queries, the lookahead steps and the reduction, one per turn (`scoring_units`)."""
     check_sparse_prefill_supported(runtime.model)  # before spending the draft's time
+    scorer, length = runtime.scorer, int(state.tokens.size)
+    check_score_arguments(length, scorer.n_lookahead, scorer.n_window, scorer.step_size)
     hit = draft.find(state.tokens) if draft is not None else None
     cut = 0
     if hit is not None:  # the captured window must be fed anew
-        cut = hit.entry.restorable(min(hit.cut, state.tokens.size - runtime.scorer.n_window))
+        cut = hit.entry.restorable(min(hit.cut, length - scorer.n_window))
         draft.touch(hit.entry.key)
-    cache, _ = PrefixCache.restore(runtime.scorer.model, hit, cut)
+    cut, capture_from = score_plan(length, cut, scorer.step_size, scorer.n_window,
+                                   not checkpointed(scorer.model))
+    restore = Restore(state.handle, hit.entry.key if hit is not None and cut else -1, cut)
+    chunk_ends = chunk_plan(capture_from - cut, cut, scorer.step_size, 0.0)
+    feed = Feed(restore, state.tokens[cut:capture_from], cached=cut, chunk_ends=chunk_ends)
     state.usage.draft_cached_tokens = cut
-    state.scoring = runtime.scorer.score_steps(mx.array(state.tokens), cache)
-    state.scoring_cache = cache
-    state.status = SCORING
+    state.scoring = Scoring(feed, state.tokens[capture_from:], scorer.n_lookahead - 1)
+    state.status = Status.SCORING
 
 
-def score_unit(state: RequestState, runtime: Runtime,
-               draft: Optional[PrefixCache]) -> Optional[np.ndarray]:
-    """One unit of the draft's scoring; the importance once it is done. `state.scored`:
-    prompt tokens through the draft so far, of all (its units are fixed-size chunks)."""
-    done, total = next(state.scoring)
-    length = int(state.tokens.size)
-    tokens = state.usage.draft_cached_tokens + done * runtime.config.draft_step_size
-    state.scored = (length if done == total else min(tokens, length - 1), length)
-    if done < total:
-        return None
-    try:
-        next(state.scoring)  # the last unit is done: take the importance it returns
-    except StopIteration as finished:
-        importance = np.array(finished.value, dtype=np.float32)
-    else:
-        raise RuntimeError("scoring went on past its last unit")
-    state.scoring = None
-    cache, state.scoring_cache = state.scoring_cache, None
-    if draft is not None:  # the draft's cache is rank 0's alone: its budget is kept here
-        key = draft.store(state.tokens, cache)
-        if key is not None:  # its only store for this prompt: kept on disk too
-            draft.persist(key)
-        for key in draft.evictions():
-            draft.persist(key)
-            draft.drop(key)
-    return importance
+def scoring_units(state: RequestState, store: bool) -> list:
+    """The draft's work for this turn: the next chunks up to a pause, else the capturing
+    chunk, else a lookahead step, else the reduction (`store`: keep the draft's cache)."""
+    scoring, handle, length = state.scoring, state.handle, int(state.tokens.size)
+    feed = scoring.feed
+    first = feed.fed == 0 and not scoring.captured
+    restore = feed.restore if first else None
+    if not feed.done:
+        units = [ScoreUnit(handle, length, chunk.tokens) for chunk in feed.unit()]
+        units[0].restore = restore
+        return units
+    if not scoring.captured:
+        scoring.captured = True
+        return [ScoreUnit(handle, length, scoring.capture, restore, captures=True)]
+    if scoring.lookahead:
+        scoring.lookahead -= 1
+        return [ScoreUnit(handle, length, lookahead=True)]
+    return [ScoreUnit(handle, length, state.tokens, reduce=True, store=store)]
 
 
 def _coverage(importance: np.ndarray, wanted: np.ndarray, held: np.ndarray,
@@ -176,11 +185,34 @@ def _coverage(importance: np.ndarray, wanted: np.ndarray, held: np.ndarray,
     return float(importance[np.intersect1d(top, held)].sum()) / total
 
 
+def _runs(indices: np.ndarray) -> int:
+    """Contiguous runs in sorted token indices (the passages they make)."""
+    return int(indices.size and 1 + np.count_nonzero(np.diff(indices) > 1))
+
+
+def _repair_pays(runtime: Runtime, state: RequestState, repair: tuple, fresh: tuple) -> bool:
+    """Repairing a stored view against selecting anew, each (tokens to prefill, entries
+    cached before them, entries decode then attends over), by the cost model: their
+    prefill, plus decode over the entries each leaves for the reply."""
+    costs, reply = runtime.costs, min(state.max_tokens, REPLY_TOKENS)
+
+    def seconds(feed: int, cached: int, kept: int) -> float:
+        return costs.predict("target", feed, cached) + reply * (
+            costs.predict("target", 1, kept) - costs.predict("target", 1, 0))
+
+    return seconds(*repair) <= seconds(*fresh)
+
+
 def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
                 importance: np.ndarray) -> None:
     """Selection over the whole prompt, then what of the prefix cache can be reused. A
     dense prefix already cached is kept whole (its KV costs nothing) and `keep` applies
-    to the rest."""
+    to the rest. A stored sparse view of the shared prefix is repaired: the passages the
+    new selection wants and the view lacks are fed at their true positions, then the new
+    tokens, unless selecting anew is predicted cheaper; then the view is still extended as
+    it is where it covers `reuse_coverage` of the top of the new importance. Hybrid and
+    sliding-window caches cannot take passages out of order: there the view is reused
+    behind that gate, or the prompt selected anew."""
     config, report, tokens = runtime.config, state.report, state.tokens
     length = tokens.size
     target = caches.target
@@ -197,9 +229,9 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
     window = sliding_window(probe)
     selected = cover_sliding_window(selected, probe, length, 0)
 
-    # what can be reused: the dense prefix, or a stored sparse cache whose selection
-    # kept as much and still covers the shared prefix
+    # what can be reused: the dense prefix, or a stored sparse view of a longer prefix
     cut, before, reuse, hit = 0, np.zeros(0, np.int64), "none", None
+    added = np.zeros(0, np.int64)  # passages a repair adds to the view
     if target is not None:
         if dense_hit is not None:
             # selected is sorted: the first index where it departs from 0, 1, 2, ...
@@ -209,32 +241,50 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
             cut = dense_hit.entry.restorable(min(dense_hit.cut, first_dropped))
             hit, before = dense_hit, np.arange(cut)
             reuse = f"dense {dense_hit.describe(cut)}" if cut else "none"
-        # a stored view reaching further than the dense prefix (one being densified, say),
-        # behind the gate; a sliding-window layer's last window is fed anew (the view may
-        # lack some of it)
+        # a stored view reaching further than the dense prefix (one being densified, say);
+        # a sliding-window layer's last window is fed anew (the view may lack some of it)
         sparse_hit = target.find(tokens)
         entry = sparse_hit.entry if sparse_hit is not None else None
         shared = 0 if entry is None else entry.restorable(
             min(sparse_hit.cut, length - window) if window else sparse_hit.cut)
         if entry is not None and entry.positions is not None and shared > cut:
-            held = entry.positions[entry.positions < shared]
-            if entry.keep < report.keep:
-                reuse = (f"selected anew: a stored selection kept {entry.keep} of the prompt, "
-                         f"less than this request's keep {report.keep}; {reuse}")
-            else:
-                coverage = _coverage(importance, selected[selected < shared], held)
-                if coverage >= config.reuse_coverage:
+            held = entry.positions[: entry.count_before(shared)]
+            wanted = selected[selected < shared]
+            coverage = _coverage(importance, wanted, held)
+            missing = np.setdiff1d(wanted, held)
+            view = f"sparse {sparse_hit.describe(shared)}, coverage {coverage:.2f}"
+            if runtime.checkpointed:  # in-order caches: the view as it is, behind the gate
+                if coverage >= config.reuse_coverage and entry.keep >= report.keep:
                     cut, hit, before = shared, sparse_hit, held
-                    reuse = (f"sparse {sparse_hit.describe(shared)}, "
-                             f"coverage {coverage:.2f} >= {config.reuse_coverage}")
+                    reuse = f"{view} >= {config.reuse_coverage}"
                 else:
                     reuse = (f"selected anew: a stored selection covers {coverage:.2f} of the "
-                             f"shared prefix's importance (< {config.reuse_coverage}); {reuse}")
+                             f"shared prefix's importance at keep {entry.keep} (a hybrid or "
+                             f"sliding-window cache cannot be repaired); {reuse}")
+            else:
+                new = int(np.count_nonzero(selected >= shared))
+                fresh = int(np.count_nonzero(selected >= cut))
+                kept = held.size + missing.size + new
+                repair = _repair_pays(runtime, state, (missing.size + new, held.size, kept),
+                                      (fresh, cut, selected.size))
+                if repair or coverage >= config.reuse_coverage:
+                    cut, hit, before = shared, sparse_hit, held
+                    reuse = view
+                    if repair and missing.size:
+                        added = missing
+                        reuse += (f", repaired: +{_runs(missing)} chunks "
+                                  f"({missing.size} tokens)")
+                    elif missing.size:  # the gate holds the top of the importance
+                        reuse += f" >= {config.reuse_coverage}, extended as it is"
+                else:
+                    reuse = (f"selected anew: repairing the stored view ({missing.size + new} "
+                             f"tokens after {held.size} entries) is predicted slower than "
+                             f"selecting anew ({fresh} tokens); {reuse}")
     report.reuse = reuse
-    kept_new = selected[selected >= cut]
+    kept_new = np.concatenate([added, selected[selected >= cut]])
     positions = np.concatenate([before, kept_new])
     report.kept_tokens = int(positions.size)
-    report.selection_digest = hashlib.sha1(positions.astype(np.int64).tobytes()).hexdigest()[:16]
+    report.selection_digest = hashlib.sha1(np.sort(positions).tobytes()).hexdigest()[:16]
     state.positions = None if np.array_equal(positions, np.arange(length)) else positions
     _set_feed(state, runtime, hit, cut, tokens[kept_new], kept_new)
 
@@ -250,7 +300,7 @@ def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixCach
     report.engaged = False
     report.reason = f"fell back to dense prefill: {error}"
     report.kept_tokens = int(state.tokens.size)
-    state.scoring = state.scoring_cache = None
+    state.scoring = None
     plan_dense(state, runtime, find_dense(state, caches.target))
 
 
@@ -289,7 +339,7 @@ def split_at_boundaries(chunk_ends: list, boundaries: tuple, cut: int, size: int
                         positions: Optional[np.ndarray]) -> tuple[list, dict]:
     """Chunk ends that also stop at each chat boundary past `cut` (where every entry
     before it is fed and none after), and the prompt length each such end stands for,
-    so the executor can snapshot the cache there; no scheduler turn is added."""
+    so the executor can snapshot the cache there; no turn is added."""
     checkpoints = {}
     for boundary in boundaries:
         if boundary <= cut:
@@ -301,25 +351,6 @@ def split_at_boundaries(chunk_ends: list, boundaries: tuple, cut: int, size: int
     for end in checkpoints:
         ends.setdefault(end, False)
     return sorted(ends.items()), checkpoints
-
-
-def unit_chunks(handle: int, feed: np.ndarray, positions: Optional[np.ndarray], fed: int,
-                chunk_ends: list, checkpoint: int = 0, checkpoints: Optional[dict] = None
-                ) -> tuple[list, int]:
-    """One unit of prefill work from `fed` on: the chunks up to the first end a scheduler
-    turn may follow (or the feed's end, whose chunk is `last` and carries `checkpoint`;
-    `checkpoints` names the others that do), and how far the feed is then."""
-    chunks, checkpoints = [], checkpoints or {}
-    for end, pause in chunk_ends:
-        if end <= fed:
-            continue
-        last = end == feed.size
-        chunks.append(Chunk(handle, feed[fed:end], None if positions is None else positions[fed:end],
-                            last=last, checkpoint=checkpoint if last else checkpoints.get(end, 0)))
-        fed = end
-        if pause or last:
-            break
-    return chunks, fed
 
 
 def short_prefill_share(state: RequestState, runtime: Runtime) -> Optional[float]:
