@@ -377,9 +377,10 @@ def cmd_serve(args) -> int:
               file=sys.stderr)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
-    served = logging.getLogger("specprefill_server")
-    served.addHandler(handler)
-    served.setLevel(args.log_level.upper())
+    for name in ("specprefill_server", "specprefill_engine"):  # the engine's warnings too
+        served = logging.getLogger(name)
+        served.addHandler(handler)
+        served.setLevel(args.log_level.upper())
     # a model that fails to load or a port in use: uvicorn logs why and exits with 3
     server(engine, config, args.host, args.port, log_level=args.log_level).run()
     return 0

@@ -159,3 +159,38 @@ def wrappers_left(model: nn.Module) -> list:
     between calls)."""
     return [name for name, module in model.named_modules()
             if isinstance(module, (PositionedRoPE, QueryCapture))]
+
+
+def save_long_context_model(path: Path, context: int = 65536, every: int = 4) -> Path:
+    """A tiny random-weight llama with the demo tokenizer (its chat template with tools,
+    without the think block: a model that does not think) and a `context`-token window,
+    for agent CLIs whose prompts pass the demo pair's 16K. Its greedy replies end
+    within a few tokens: one token in `every` (not whitespace) carries a large constant
+    in its embedding, which the untied output head reads into EOS's logit alone, so
+    once the model writes one of them EOS follows."""
+    overrides = {"vocab_size": 4096, "max_position_embeddings": context,
+                 "tie_word_embeddings": False, "eos_token_id": 4}
+    model = tiny_model("llama", **overrides)
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(DEMO_TARGET / "tokenizer.json"))
+    blank = [i for i in range(overrides["vocab_size"]) if not tokenizer.decode([i]).strip()]
+    ending = mx.array([i % every == 1 and i >= 5 and i not in blank
+                       for i in range(overrides["vocab_size"])])
+    embed = model.model.embed_tokens.weight
+    model.model.embed_tokens.weight = embed.at[:, 0].add(
+        mx.where(ending, 4.0, 0.0) - embed[:, 0])
+    head = model.lm_head.weight
+    head = head.at[:, 0].add(-head[:, 0])
+    model.lm_head.weight = head.at[4, 0].add(1.0)
+    mx.eval(model.parameters())
+    save_model(path, model)
+    save_config({"model_type": "llama", **BASE, **overrides}, path / "config.json")
+    for name in ("tokenizer.json", "special_tokens_map.json"):
+        shutil.copy(DEMO_TARGET / name, path / name)
+    config = json.loads((DEMO_TARGET / "tokenizer_config.json").read_text())
+    think = "{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}"
+    assert think in config["chat_template"]
+    config["chat_template"] = config["chat_template"].replace(think, "")
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path

@@ -46,13 +46,6 @@ class TestChatSpecPrefillUnit(OurModel, ChatModelUnitTests):
     def supports_model_override(self):
         return False  # one engine holds one model pair; a per-call model= is refused
 
-    @property
-    def standard_chat_model_params(self):
-        # the unit suite adds api_key="test"; a local model has no key, and an unknown
-        # setting is refused (ChatSpecPrefill(api_key=...) raises TypeError)
-        params = dict(super().standard_chat_model_params)
-        params.pop("api_key")
-        return params
 
 
 class TestChatSpecPrefillIntegration(OurModel, ChatModelIntegrationTests):
@@ -445,6 +438,18 @@ def test_structured_output_cut_by_max_tokens_says_so(method):
         llm.with_structured_output(Joke, method=method).invoke("A joke?")
     with pytest.raises(OutputParserException, match="max_tokens"):
         list(llm.with_structured_output(Joke.model_json_schema(), method=method).stream("A joke?"))
+
+
+def test_standard_parameters_are_accepted_and_a_misspelled_one_is_refused():
+    """api_key (what init_chat_model configs and langchain-tests pass) is taken and
+    unused; a misspelled setting still fails, naming the nearest field."""
+    llm = ChatSpecPrefill(api_key="sk-anything", max_retries=2, timeout=60, max_tokens=2)
+    assert llm.api_key.get_secret_value() == "sk-anything"
+    assert "sk-anything" not in repr(llm) and "api_key" not in llm._identifying_params
+    with pytest.raises(TypeError, match="'temprature'; did you mean 'temperature'"):
+        ChatSpecPrefill(temprature=0.5)
+    with pytest.raises(TypeError, match="'api_keys'; did you mean 'api_key'"):
+        ChatSpecPrefill(api_keys="x")
 
 
 def test_per_call_model_and_unknown_kwargs_are_refused():

@@ -26,7 +26,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from specprefill_engine import Engine
 
@@ -114,6 +114,9 @@ class ChatSpecPrefill(BaseChatModel):
     max_retries: int = 0
     """Accepted (LangChain's standard parameter) but unused: a local engine has no
     transient network failures to retry. Use `.with_retry()` to retry a Runnable."""
+    api_key: Optional[SecretStr] = Field(default=None, exclude=True, repr=False)
+    """Accepted (LangChain's standard parameter, which `init_chat_model` configs and
+    langchain-tests pass) but unused: a local model has no key."""
     timeout: Optional[float] = None
     """Seconds for a whole request; past it the request is aborted and TimeoutError raised."""
     chat_template_kwargs: Optional[dict] = None

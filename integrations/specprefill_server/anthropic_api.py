@@ -2,7 +2,13 @@
 
 Content blocks map to chat-template messages: `text` to the turn's text (blocks joined
 by newlines), `tool_result` to a tool message, `tool_use` to the assistant's tool
-calls, `thinking` to its `reasoning_content`. Output comes back as `thinking`, `text`
+calls, `thinking` to its `reasoning_content`. A `system` message among `messages` (as
+Claude Code sends) stands where it was written when the template renders one there,
+else joins the user message before it (`chat.place_system_messages`); the system
+prompt's `x-anthropic-billing-header` line (Claude Code's, which changes between
+versions) is left out so it does not change the prompt's first tokens. Unknown fields
+are ignored (`chat.ignored_fields`); `max_tokens` past the context is clamped to what
+fits, with a warning (`warnings`). Tool ids have Anthropic's `toolu_` shape. Output comes back as `thinking`, `text`
 and `tool_use` blocks in the order the model wrote them. `thinking` `enabled` /
 `adaptive` sets the template's `enable_thinking` (the budget is not enforced),
 `disabled` clears it; `output_config.format` (a JSON schema) is enforced by
@@ -14,7 +20,6 @@ Extensions as in `openai_api.py` (`keep`, `specprefill`, `progress`, ...).
 
 import asyncio
 import json
-import logging
 import uuid
 from dataclasses import asdict
 from typing import Any, Literal, Optional, Union
@@ -23,14 +28,18 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse
 
-from .chat import Call, Extensions, Loose, given_options, matched_stop, prepare, report
+from .chat import (
+    Call, Extensions, Loose, given_options, matched_stop, note_ignored, place_system_messages,
+    prepare, renders_mid_system, report, warn_once,
+)
 from .errors import APIError, anthropic_body
 from .streaming import EventStream, output_events, whole_result
 
-logger = logging.getLogger(__name__)
 router = APIRouter()
 CLIENT_TOOL_TYPES = (None, "custom")
 UNREAD_BLOCKS = ("redacted_thinking",)  # carry nothing a local model can read
+SERVER_TOOL_BLOCKS = ("server_tool_use", "mcp_tool_use")  # and every "*_tool_result" but ours
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block
 
 
 class Tool(Loose):
@@ -41,14 +50,14 @@ class Tool(Loose):
 
 
 class Message(Loose):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: Union[str, list[dict]]
 
 
 class Prompt(BaseModel):
     """What a message and its token count share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -84,6 +93,12 @@ class MessagesRequest(Prompt, Extensions):
 # requests --------------------------------------------------------------------------
 
 
+def _server_tool_trace(kind) -> bool:
+    """A block a server tool left in the history (its call or result): not for us."""
+    return kind in SERVER_TOOL_BLOCKS or (isinstance(kind, str) and kind != "tool_result"
+                                           and kind.endswith("_tool_result"))
+
+
 def _block_text(block: dict, where: str) -> str:
     if block.get("type") != "text":
         raise APIError(400, f"{where} is a {block.get('type')!r} block; this server serves a "
@@ -110,7 +125,7 @@ def _user(blocks: list, where: str, chat: list) -> None:
                 content = f"Error: {content}"
             chat.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                          "content": content})
-        elif kind not in UNREAD_BLOCKS:
+        elif kind not in UNREAD_BLOCKS and not _server_tool_trace(kind):
             texts.append(_block_text(block, at))
     if texts:
         chat.append({"role": "user", "content": "\n".join(texts)})
@@ -125,7 +140,7 @@ def _assistant(blocks: list, where: str, chat: list) -> None:
                 "name": block.get("name"), "arguments": block.get("input") or {}}})
         elif kind == "thinking":
             reasoning.append(block.get("thinking") or "")
-        elif kind not in UNREAD_BLOCKS:
+        elif kind not in UNREAD_BLOCKS and not _server_tool_trace(kind):
             texts.append(_block_text(block, f"{where}[{index}]"))
     entry["content"] = "\n".join(texts)
     if calls:
@@ -135,10 +150,18 @@ def _assistant(blocks: list, where: str, chat: list) -> None:
     chat.append(entry)
 
 
-def chat_messages(body: Prompt) -> list:
+def system_text(system) -> str:
+    """The system prompt's text, less Claude Code's billing-header line."""
+    if isinstance(system, list):
+        system = [block for block in system if not (
+            isinstance(block, dict) and str(block.get("text", "")).startswith(BILLING_HEADER))]
+    return _texts(system, "system")
+
+
+def chat_messages(body: Prompt, tokenizer) -> list:
     """Anthropic's system and messages -> the dicts chat templates take."""
     chat = []
-    system = _texts(body.system, "system")
+    system = system_text(body.system)
     if system:
         chat.append({"role": "system", "content": system})
     for index, message in enumerate(body.messages):
@@ -146,12 +169,17 @@ def chat_messages(body: Prompt) -> list:
             chat.append({"role": message.role, "content": message.content})
         elif message.role == "user":
             _user(message.content, f"messages[{index}].content", chat)
+        elif message.role == "system":
+            chat.append({"role": "system",
+                         "content": _texts(message.content, f"messages[{index}].content")})
         else:
             _assistant(message.content, f"messages[{index}].content", chat)
-    if body.messages[-1].role != "user":
-        raise APIError(400, "the last message must be a user message: continuing an "
-                       "assistant turn (prefill) is not served", "messages")
-    return chat
+    last = next((m.role for m in reversed(body.messages) if m.role != "system"), None)
+    if last != "user":
+        raise APIError(400, "the last message that is not a system message must be a user "
+                       "message: continuing an assistant turn (prefill) is not served",
+                       "messages")
+    return place_system_messages(chat, renders_mid_system(tokenizer))
 
 
 def _tools(body: Prompt) -> Optional[list]:
@@ -161,8 +189,8 @@ def _tools(body: Prompt) -> Optional[list]:
     tools = []
     for tool in body.tools or []:
         if tool.type not in CLIENT_TOOL_TYPES:
-            logger.warning("left out the %r tool %r: server tools are not served",
-                           tool.type, tool.name)
+            warn_once(("tool", tool.type, tool.name), "left out the %r tool %r: server tools "
+                      "are not served", tool.type, tool.name)
             continue
         tools.append({"type": "function", "function": {
             "name": tool.name, "description": tool.description or "",
@@ -216,12 +244,12 @@ def _check(body: Prompt) -> None:
 async def messages_call(state, body: MessagesRequest) -> Call:
     _check(body)
     options = given_options(body)
-    options.update(max_tokens=body.max_tokens, clamp_max_tokens=False)
+    options.update(max_tokens=body.max_tokens, clamp_max_tokens=True)
     if body.stop_sequences:
         options["stop"] = list(body.stop_sequences)
     choice, parallel = _tool_choice(body.tool_choice)
     return await prepare(
-        state.engine, chat_messages(body), options, tools=_tools(body),
+        state.engine, chat_messages(body, state.engine.tokenizer), options, tools=_tools(body),
         choice=choice, parallel=parallel, response_format=_response_format(body),
         template_kwargs=_template_kwargs(body))
 
@@ -244,8 +272,14 @@ def stop(state, call: Call, final, called: bool) -> dict:
     return {"stop_reason": "stop_sequence" if sequence else "end_turn", "stop_sequence": sequence}
 
 
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's id shape for a call the parser named `call_...`."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def tool_use(call) -> dict:
-    return {"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.args)}
+    return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
+            "input": json.loads(call.args)}
 
 
 def blocks(events: list) -> list:
@@ -328,13 +362,14 @@ async def message_stream(state, body: MessagesRequest, call: Call, message_id: s
                 yield close()
             yield sse("message_delta", {
                 "type": "message_delta", "delta": stop(state, call, value, called),
-                "usage": usage(value.usage), **report(value)})
+                "usage": usage(value.usage), **report(value), "warnings": value.warnings})
             yield sse("message_stop", {"type": "message_stop"})
 
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
     state = request.app.state.server
+    note_ignored(request, body)
     call = await messages_call(state, body)
     message_id = f"msg_{uuid.uuid4().hex}"
     if body.stream:
@@ -352,8 +387,10 @@ async def messages(body: MessagesRequest, request: Request):
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: Prompt, request: Request):
     """The prompt's tokens as a request renders it (template, tools, thinking)."""
+    note_ignored(request, body)
     _check(body)
     engine = request.app.state.server.engine
-    rendered = await asyncio.to_thread(engine.render, chat_messages(body), _tools(body),
+    chat = chat_messages(body, engine.tokenizer)
+    rendered = await asyncio.to_thread(engine.render, chat, _tools(body),
                                        _template_kwargs(body))
     return {"input_tokens": int(rendered.tokens.size)}

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from specprefill_engine import Engine
 
 from . import anthropic_api, openai_api, responses_api
+from .chat import IGNORED_HEADER
 from .errors import APIError, classify, error_body
 from .streaming import ClientGone, Gate
 
@@ -124,6 +125,27 @@ class Guard:
         await self.app(scope, replay, send)
 
 
+class IgnoredFieldsHeader:
+    """ASGI middleware: the response lists the request's fields the server ignored
+    (`chat.note_ignored` leaves their names in the request's state)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def sending(message):
+            names = (scope.get("state") or {}).get("ignored_fields")
+            if message["type"] == "http.response.start" and names:
+                header = (IGNORED_HEADER.encode(), ", ".join(names).encode())
+                message = dict(message, headers=[*message.get("headers", ()), header])
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
 def _validation_error(request: Request, error: RequestValidationError) -> Response:
     """Pydantic's first complaint, as a 400 naming the field (every API answers 400)."""
     problem = error.errors()[0]
@@ -158,6 +180,7 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None) -> FastAPI
     app = FastAPI(title="specprefill-engine", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.state.server = state
+    app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
     @app.exception_handler(APIError)
@@ -193,7 +216,8 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None) -> FastAPI
         created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.created))
         return {"id": name, "object": "model", "created": state.created,
                 "owned_by": "specprefill-engine", "type": "model", "display_name": name,
-                "created_at": created_at, "context_length": engine.info.context_length}
+                "created_at": created_at, "context_length": engine.info.context_length,
+                "max_model_len": engine.info.context_length}  # vLLM's name for it
 
     @app.get("/v1/models")
     async def models():

@@ -14,6 +14,10 @@ one that does not compile with a ValueError naming response_format (a 400 here).
 """
 
 import asyncio
+import difflib
+import logging
+import threading
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
 
@@ -25,10 +29,86 @@ from specprefill_engine.engine.tool_calls import OutputParser
 from .errors import APIError
 
 
+logger = logging.getLogger(__name__)
+IGNORED_HEADER = "x-specprefill-ignored-fields"  # a response header: the fields left unread
+WARNED_CAP = 1024  # distinct ignored field names logged, at most
+_warned: set = set()
+
+
 class Loose(BaseModel):
     """A request part that may carry fields this server does not read."""
 
     model_config = ConfigDict(extra="allow")
+
+
+def warn_once(key: tuple, message: str, *args) -> None:
+    """A log warning the first time `key` comes (a client sends the same every turn)."""
+    if key in _warned or len(_warned) >= WARNED_CAP:
+        return
+    _warned.add(key)
+    logger.warning(message, *args)
+
+
+def note_ignored(request, body: BaseModel) -> None:
+    """Accept and ignore the top-level fields of a request body this server does not
+    know: each is named once in a log warning (with the known name nearest to it, for
+    a misspelling), and the response's `IGNORED_HEADER` lists them (`app.py`)."""
+    names = sorted(body.model_extra or ())
+    api = request.url.path
+    for name in names:
+        close = difflib.get_close_matches(name, list(type(body).model_fields), n=1)
+        warn_once(("field", api, name), "%s: ignored the field %r, which this server does "
+                  "not know%s", api, name, f" (did you mean {close[0]!r}?)" if close else "")
+    if names:
+        request.state.ignored_fields = names
+
+
+_MID_SYSTEM_MARK = "mid_system_probe_3b9d"
+_mid_system: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_mid_system_lock = threading.Lock()
+
+
+def renders_mid_system(tokenizer) -> bool:
+    """Whether the chat template shows a system message that follows a user turn,
+    where it stands (probed once per tokenizer: some templates refuse one, some drop it)."""
+    with _mid_system_lock:
+        known = _mid_system.get(tokenizer)
+    if known is None:
+        probe = [{"role": "user", "content": "hi"},
+                 {"role": "system", "content": _MID_SYSTEM_MARK}]
+        try:
+            text = tokenizer.apply_chat_template(probe, add_generation_prompt=True,
+                                                 tokenize=False)
+            known = isinstance(text, str) and text.find(_MID_SYSTEM_MARK) > text.find("hi") >= 0
+        except Exception:
+            known = False
+        with _mid_system_lock:
+            _mid_system[tokenizer] = known
+    return known
+
+
+def place_system_messages(chat: list, in_place: bool) -> list:
+    """Chat messages whose system messages after the first one stand where they were
+    written (`in_place`), or else join the user message before them (the next one when
+    none comes before): the text before them renders as it did, so the prefix cache
+    of the earlier turns still holds. The leading system message stays first."""
+    if in_place:
+        return chat
+    out: list = []
+    waiting: list = []  # system text with no user message before it yet
+    for index, message in enumerate(chat):
+        if message["role"] != "system" or index == 0:
+            if waiting and message["role"] == "user":
+                message = dict(message, content="\n\n".join(waiting + [message["content"]]))
+                waiting = []
+            out.append(message)
+        elif out and out[-1]["role"] == "user":
+            out[-1] = dict(out[-1], content=f"{out[-1]['content']}\n\n{message['content']}")
+        else:
+            waiting.append(message["content"])
+    if waiting:
+        out.append({"role": "user", "content": "\n\n".join(waiting)})
+    return out
 
 
 class Extensions(BaseModel):
@@ -82,7 +162,11 @@ class Call:
         if parser is None:
             return [("content", text)] if text else []
         events = parser.feed(text)
-        return events if finish_reason is None else events + parser.finish(finish_reason)
+        if finish_reason is not None:
+            events += parser.finish(finish_reason)
+        # a call the output ended inside has no place in these APIs, nor in the text
+        return [(kind, value) for kind, value in events
+                if kind != "tool_call" or not value.cut]
 
     def reply(self, tokenizer, result) -> list:
         """Events of a whole reply (a Result)."""
@@ -99,8 +183,9 @@ class Output:
 
 
 def read_events(events: list) -> Output:
-    """Fold parser events into an Output. A call that did not parse (a malformed or
-    truncated one) comes back as text: the APIs have no place for an invalid call."""
+    """Fold parser events into an Output. A call that did not parse (a malformed one)
+    comes back as text: the APIs have no place for an invalid call (one the output
+    ended inside is dropped by `Call.read`)."""
     output = Output()
     for kind, value in events:
         if kind == "content":

@@ -1,10 +1,13 @@
 """OpenAI's chat completions (`POST /v1/chat/completions`) and completions
 (`POST /v1/completions`).
 
-Request bodies are pydantic models that refuse unknown fields, as OpenAI does. Fields
-of the API that change nothing on a local engine (`user`, `metadata`, `store`, ...)
-are accepted; fields whose effect is not served (audio, `prediction`, ...) are
-refused with a 400 naming them. Extensions, sent in the body (the clients'
+Request bodies are pydantic models: the fields they know are validated (a bad value is
+a 400 naming it), the ones they do not are accepted and ignored (`chat.note_ignored`:
+a log warning, the `x-specprefill-ignored-fields` header). Fields of the API that
+change nothing on a local engine (`user`, `metadata`, `store`, ...) are accepted;
+fields whose effect is not served (audio, `prediction`, ...) are refused with a 400
+naming them. A `max_tokens` past the context is clamped to what fits (the reply's
+`warnings` say so). Extensions, sent in the body (the clients'
 `extra_body`): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `keep`,
 `specprefill`, `threshold`, `chat_template_kwargs`, `progress` (prefill progress
 events instead of bare keep-alives). Responses carry the engine's report under
@@ -28,7 +31,7 @@ from starlette.responses import JSONResponse
 
 from specprefill_engine.engine.sampling import MAX_LOGPROBS
 
-from .chat import Call, Extensions, Loose, given_options, prepare, read_events, report
+from .chat import Call, Extensions, Loose, given_options, note_ignored, prepare, read_events, report
 from .errors import APIError, openai_body
 from .streaming import EventStream, merged, output_events, whole_results
 
@@ -73,9 +76,9 @@ class StreamOptions(Loose):
 
 
 class Common(Extensions):
-    """What chat completions and completions share."""
+    """What chat completions and completions share (unknown fields: `note_ignored`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     stream: bool = False
@@ -181,8 +184,8 @@ def engine_options(body: Common, info, max_tokens: Optional[int]) -> dict:
     means the rest of the context (as OpenAI does), clamped to fit."""
     _refuse_unserved(body)
     options = given_options(body)
-    if max_tokens is not None:
-        options.update(max_tokens=max_tokens, clamp_max_tokens=False)
+    if max_tokens is not None:  # past the context: clamped, with a warning
+        options.update(max_tokens=max_tokens, clamp_max_tokens=True)
     elif info.context_length:
         options.update(max_tokens=info.context_length, clamp_max_tokens=True)
     if body.stop:
@@ -439,6 +442,7 @@ def chat_reply(state, call: Call, response_id: str, results: list) -> JSONRespon
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
     state = request.app.state.server
+    note_ignored(request, body)
     call = await chat_call(state, body)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     rows = choice_rows(state, body, call, response_id)
@@ -483,6 +487,7 @@ def text_choices(tokenizer):
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     state = request.app.state.server
+    note_ignored(request, body)
     tokenizer = state.engine.tokenizer
     options = engine_options(body, state.engine.info, body.max_tokens or COMPLETION_MAX_TOKENS)
     call = Call(_prompt(body.prompt), options, stops=tuple(options.get("stop") or ()), raw=True)

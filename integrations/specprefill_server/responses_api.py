@@ -7,7 +7,15 @@ messages (text parts) by role, `function_call` items to the assistant's tool cal
 `function_call_output` to tool messages, a `reasoning` item's text to the assistant's
 `reasoning_content`. Nothing is stored: `previous_response_id` and `conversation` are
 refused (send the whole conversation each turn), `store` is accepted and changes
-nothing. Only function tools are served.
+nothing. Unknown fields are accepted and ignored (`chat.note_ignored`).
+
+Tools, as Codex sends them: `function` tools; `namespace` tools flattened into their
+function tools (the model sees each by its own name, `NAMESPACE__NAME` where two
+would clash, and its calls come back as `function_call` items with the `namespace`);
+`custom` (freeform) tools as a function of one string `input`, their calls as
+`custom_tool_call` items. Hosted tools (`web_search`, `file_search`,
+`code_interpreter`, `image_generation`, `mcp`, ...) run on OpenAI's side: they are left
+out with a warning, as are the items they leave in the input (`web_search_call`, ...).
 
 Output items come back in the order the model wrote them (`reasoning`, `message`,
 `function_call`). A stream sends `response.created` and `response.in_progress` once the
@@ -22,14 +30,14 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
-from .chat import Call, Extensions, Loose, report
+from .chat import Call, Extensions, Loose, note_ignored, report, warn_once
 from .errors import APIError
 from .openai_api import (
     CalledFunction, ChatRequest, Function, Message, Tool, ToolCall, chat_call, response_format,
@@ -56,6 +64,13 @@ class FunctionTool(Loose):
     strict: Optional[bool] = None
 
 
+class CustomTool(Loose):
+    type: Literal["custom"]
+    name: str
+    description: Optional[str] = None
+    format: Optional[dict] = None  # its grammar is not enforced: the input is free text
+
+
 class InputMessage(Loose):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
@@ -67,10 +82,18 @@ class FunctionCall(Loose):
     call_id: str
     name: str
     arguments: str
+    namespace: Optional[str] = None
+
+
+class CustomToolCall(Loose):
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
 
 
 class FunctionCallOutput(Loose):
-    type: Literal["function_call_output"]
+    type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str
     output: Union[str, list[dict]]
 
@@ -91,11 +114,13 @@ class ReasoningConfig(Loose):
 
 
 ITEMS = {"message": InputMessage, "function_call": FunctionCall,
-         "function_call_output": FunctionCallOutput, "reasoning": Reasoning}
+         "function_call_output": FunctionCallOutput, "custom_tool_call": CustomToolCall,
+         "custom_tool_call_output": FunctionCallOutput, "reasoning": Reasoning}
+CUSTOM_INPUT = "input"  # a custom tool's one argument, as the model sees it
 
 
 class ResponsesRequest(Extensions):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     input: Union[str, list[dict]]
@@ -123,6 +148,7 @@ class ResponsesRequest(Extensions):
     prompt_cache_retention: Optional[str] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
     stream_options: Optional[dict] = None
+    client_metadata: Optional[dict] = None  # Codex's session metadata
     # refused when given
     background: Optional[bool] = None
     top_logprobs: Optional[int] = None
@@ -182,15 +208,33 @@ def _text(content, where: str) -> str:
 
 
 def _item(raw, where: str):
+    """The item, validated; None for an item a hosted tool left (`web_search_call`, ...)."""
     kind = raw.get("type", "message") if isinstance(raw, dict) else None
+    if kind == "item_reference":
+        raise APIError(400, f"{where} is an 'item_reference' item: this server keeps no "
+                       "items: send the item itself", "input")
     if isinstance(raw, dict) and kind not in ITEMS:
-        why = "this server keeps no items: send the item itself" if kind == "item_reference" \
-            else f"the items served are {list(ITEMS)}"
-        raise APIError(400, f"{where} is a {kind!r} item: {why}", "input")
+        warn_once(("item", kind), "left out %r input items: the server runs no hosted tools "
+                  "and reads the items %s", kind, list(ITEMS))
+        return None
     return _validated(ITEMS.get(kind, InputMessage), raw, where, "input")
 
 
-def chat_messages(body: ResponsesRequest) -> list:
+@dataclass
+class ToolNames:
+    """What the model calls each tool, and what the client calls it back: model name
+    -> (namespace or None, the tool's own name, "function" or "custom")."""
+
+    origin: dict = field(default_factory=dict)
+
+    def model_name(self, name: str, namespace: Optional[str] = None) -> str:
+        for flat, (space, own, _) in self.origin.items():
+            if own == name and space == namespace:
+                return flat
+        return name
+
+
+def chat_messages(body: ResponsesRequest, names: ToolNames) -> list:
     """`instructions` and `input` -> chat completions messages. An assistant turn (its
     reasoning, text and calls) lasts until the next user, system or tool message."""
     messages = [Message(role="system", content=body.instructions)] if body.instructions else []
@@ -199,6 +243,8 @@ def chat_messages(body: ResponsesRequest) -> list:
     for index, raw in enumerate(items):
         where = f"input[{index}]"
         item = _item(raw, where)
+        if item is None:
+            continue
         turn = messages[-1] if messages and messages[-1].role == "assistant" else None
         if isinstance(item, FunctionCallOutput):
             messages.append(Message(role="tool", tool_call_id=item.call_id,
@@ -206,13 +252,17 @@ def chat_messages(body: ResponsesRequest) -> list:
         elif isinstance(item, InputMessage) and item.role != "assistant":
             messages.append(Message(role=item.role,
                                     content=_text(item.content, f"{where}.content")))
-        elif isinstance(item, FunctionCall):
+        elif isinstance(item, (FunctionCall, CustomToolCall)):
             if turn is None:
                 turn = Message(role="assistant", content="")
                 messages.append(turn)
+            if isinstance(item, FunctionCall):
+                name, arguments = names.model_name(item.name, item.namespace), item.arguments
+            else:
+                name = names.model_name(item.name)
+                arguments = json.dumps({CUSTOM_INPUT: item.input}, ensure_ascii=False)
             turn.tool_calls = (turn.tool_calls or []) + [ToolCall(
-                id=item.call_id, function=CalledFunction(name=item.name,
-                                                         arguments=item.arguments))]
+                id=item.call_id, function=CalledFunction(name=name, arguments=arguments))]
         else:
             if turn is None or turn.content or turn.tool_calls:
                 turn = Message(role="assistant", content="")
@@ -228,38 +278,73 @@ def chat_messages(body: ResponsesRequest) -> list:
     return messages
 
 
-def _tools(tools: Optional[list]) -> Optional[list]:
+def _client_tools(tools: Optional[list]) -> list:
+    """(namespace, raw tool dict, where) of every tool the client runs itself: function
+    and custom tools, those inside namespaces included; hosted tools are left out."""
     out = []
     for index, raw in enumerate(tools or []):
+        where = f"tools[{index}]"
         kind = raw.get("type") if isinstance(raw, dict) else None
-        if kind != "function":
-            raise APIError(400, f"tools[{index}] is a {kind!r} tool: only function tools are "
-                           "served (this server runs no hosted tools)", "tools")
-        tool = _validated(FunctionTool, raw, f"tools[{index}]", "tools")
-        out.append(Tool(function=Function(name=tool.name, description=tool.description,
-                                          parameters=tool.parameters)))
-    return out or None
+        if kind in ("function", "custom"):
+            out.append((None, raw, where))
+        elif kind == "namespace":
+            space = raw.get("name")
+            if not isinstance(space, str) or not isinstance(raw.get("tools"), list):
+                raise APIError(400, f"{where}: a namespace tool needs a name and a list of "
+                               "tools", "tools")
+            for inner, tool in enumerate(raw["tools"]):
+                if isinstance(tool, dict) and tool.get("type") in ("function", "custom"):
+                    out.append((space, tool, f"{where}.tools[{inner}]"))
+        else:
+            warn_once(("tool", kind), "left out the %r tool: hosted tools are not served "
+                      "(this server runs no tools of its own)", kind)
+    return out
 
 
-def _tool_choice(choice):
+def _tools(tools: Optional[list]) -> tuple:
+    """(chat completions tools, ToolNames) for the request's tools."""
+    found = _client_tools(tools)
+    own_names = [raw.get("name") for _, raw, _ in found]
+    out, names = [], ToolNames()
+    for space, raw, where in found:
+        if raw["type"] == "function":
+            tool = _validated(FunctionTool, raw, where, "tools")
+            parameters = tool.parameters
+        else:
+            tool = _validated(CustomTool, raw, where, "tools")
+            parameters = {"type": "object", "properties": {CUSTOM_INPUT: {
+                "type": "string", "description": "the tool's whole input, as free text"}},
+                "required": [CUSTOM_INPUT]}
+        flat = tool.name if space is None or own_names.count(tool.name) == 1 \
+            else f"{space}__{tool.name}"
+        names.origin[flat] = (space, tool.name, raw["type"])
+        out.append(Tool(function=Function(name=flat, description=tool.description,
+                                          parameters=parameters)))
+    return out or None, names
+
+
+def _tool_choice(choice, names: ToolNames):
     if not isinstance(choice, dict):
         return choice
-    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+    if choice.get("type") not in ("function", "custom") or \
+            not isinstance(choice.get("name"), str):
         raise APIError(400, "tool_choice must be 'auto', 'none', 'required' or {'type': "
                        f"'function', 'name': ...}}, got {choice!r}", "tool_choice")
-    return {"type": "function", "function": {"name": choice["name"]}}
+    name = names.model_name(choice["name"], choice.get("namespace"))
+    return {"type": "function", "function": {"name": name}}
 
 
-def chat_request(body: ResponsesRequest) -> ChatRequest:
-    """The chat completions request this one runs as."""
+def chat_request(body: ResponsesRequest) -> tuple:
+    """(the chat completions request this one runs as, its ToolNames)."""
     _refuse_unserved(body)
     format_ = response_format(body.text and body.text.format, "text.format")
+    tools, names = _tools(body.tools)
     return ChatRequest(
-        model=body.model, messages=chat_messages(body), tools=_tools(body.tools),
-        tool_choice=_tool_choice(body.tool_choice), response_format=format_,
+        model=body.model, messages=chat_messages(body, names), tools=tools,
+        tool_choice=_tool_choice(body.tool_choice, names), response_format=format_,
         max_completion_tokens=body.max_output_tokens,
         reasoning_effort=body.reasoning and body.reasoning.effort,
-        **body.model_dump(include=CHAT_FIELDS))
+        **body.model_dump(include=CHAT_FIELDS)), names
 
 
 # responses -------------------------------------------------------------------------
@@ -270,10 +355,11 @@ class Items:
     step returns the stream events (type, fields) it makes; `done` holds the finished
     items, the response's `output`."""
 
-    def __init__(self):
+    def __init__(self, names: Optional[ToolNames] = None):
         self.done: list = []
         self.open: Optional[dict] = None  # the reasoning or message item being written
         self.text = ""
+        self.names = names or ToolNames()
 
     def _ids(self, item: dict) -> dict:
         return {"item_id": item["id"], "output_index": len(self.done)}
@@ -330,16 +416,28 @@ class Items:
         return events
 
     def _call(self, call) -> list:
-        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call",
-                "status": "in_progress", "call_id": call.id, "name": call.name,
-                "arguments": ""}
+        space, name, kind = self.names.origin.get(call.name, (None, call.name, "function"))
+        if kind == "custom":
+            text = json.loads(call.args).get(CUSTOM_INPUT, "")
+            item = {"id": f"ctc_{uuid.uuid4().hex}", "type": "custom_tool_call",
+                    "status": "in_progress", "call_id": call.id, "name": name, "input": ""}
+            finished = dict(item, status="completed", input=text)
+            events = ("response.custom_tool_call_input", "input", text)
+        else:
+            item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call",
+                    "status": "in_progress", "call_id": call.id, "name": name,
+                    "arguments": ""}
+            if space is not None:
+                item["namespace"] = space
+            finished = dict(item, status="completed", arguments=call.args)
+            events = ("response.function_call_arguments", "arguments", call.args)
         ids = self._ids(item)
-        finished = dict(item, status="completed", arguments=call.args)
         self.done.append(finished)
+        prefix, key, value = events
         return [("response.output_item.added", {"output_index": ids["output_index"],
                                                 "item": item}),
-                ("response.function_call_arguments.delta", dict(ids, delta=call.args)),
-                ("response.function_call_arguments.done", dict(ids, arguments=call.args)),
+                (f"{prefix}.delta", dict(ids, delta=value)),
+                (f"{prefix}.done", dict(ids, **{key: value})),
                 ("response.output_item.done", {"output_index": ids["output_index"],
                                                "item": finished})]
 
@@ -391,9 +489,9 @@ def finished(state, base: dict, items: Items, final) -> dict:
 class ResponseStream:
     """One response's SSE events, numbered in order; `error` ends it after a failure."""
 
-    def __init__(self, state, body: ResponsesRequest, call: Call, base: dict):
+    def __init__(self, state, body: ResponsesRequest, call: Call, base: dict, names: ToolNames):
         self.state, self.body, self.call, self.base = state, body, call, base
-        self.items, self.number = Items(), 0
+        self.items, self.number = Items(names), 0
 
     def sse(self, kind: str, fields: dict) -> bytes:
         data = {"type": kind, "sequence_number": self.number, **fields}
@@ -436,13 +534,15 @@ class ResponseStream:
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request):
     state = request.app.state.server
-    call = await chat_call(state, chat_request(body))
+    note_ignored(request, body)
+    chat, names = chat_request(body)
+    call = await chat_call(state, chat)
     base = skeleton(state, body, f"resp_{uuid.uuid4().hex}")
     if body.stream:
-        stream = ResponseStream(state, body, call, base)
+        stream = ResponseStream(state, body, call, base, names)
         return EventStream(stream.events(), stream.error, ResponsesRequest.model_fields)
     result = await whole_result(request, call, base["id"])
-    items = Items()
+    items = Items(names)
     for kind, value in call.reply(state.engine.tokenizer, result):
         items.feed(kind, value)
     items.end(result)

@@ -11,6 +11,7 @@ request's task, and leaving the engine's stream aborts the request on the worker
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import replace
 from typing import AsyncIterator, Callable, Optional
 
@@ -21,6 +22,7 @@ from specprefill_engine.engine.results import Result
 from .chat import Call
 from .errors import APIError, classify, error_body
 
+logger = logging.getLogger(__name__)
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 OPEN_POLL_S = 0.001  # the first look at whether the engine has taken a request
 
@@ -72,6 +74,13 @@ async def until_disconnected(receive) -> None:
         pass
 
 
+def log_warnings(request_id: str, warnings: list) -> None:
+    """What the engine changed in a request (a clamped max_tokens, ...), in the log too
+    (at info: a request without max_tokens is clamped to the context every time)."""
+    for warning in warnings:
+        logger.info("%s: %s", request_id, warning)
+
+
 async def output_events(engine, gate: Gate, call: Call, request_id: str, keepalive: float,
                         progress: bool = False) -> AsyncIterator[tuple]:
     """A streamed request as events: ("open", None) once the engine has taken it (the
@@ -115,6 +124,7 @@ async def output_events(engine, gate: Gate, call: Call, request_id: str, keepali
                 if chunk.finish_reason is not None:
                     if chunk.finish_reason == "abort":
                         raise gate.aborted()
+                    log_warnings(request_id, chunk.warnings)
                     yield "end", replace(chunk, token_ids=tokens)
                     return
                 chunk = await chunks.__anext__()
@@ -192,6 +202,8 @@ async def whole_results(request, calls: list, request_ids: list) -> list:
         results = task.result()
         if any(result.finish_reason == "abort" for result in results):
             raise state.gate.aborted()
+        for request_id, result in zip(request_ids, results):
+            log_warnings(request_id, result.warnings)
         return results
 
 

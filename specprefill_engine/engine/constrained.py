@@ -48,25 +48,36 @@ tokenizers with think tokens whose prompt has none); "none" constrains from the
 first token.
 
 Objects in JSON schemas and tool parameters that do not say `additionalProperties`
-are closed (only the listed properties), as in OpenAI's strict mode. A string
+are closed (only the listed properties), as in OpenAI's strict mode. A turn that may
+hold several calls holds at most `MAX_PARALLEL_CALLS`. Tool parameters may use JSON
+schema keywords llguidance does not implement (`propertyNames`, `if` / `then`, `not`,
+`uniqueItems`, an unknown `format`, a look-around `pattern`, ...): those keywords are
+left out of the call grammar, with a warning naming the tool and the keyword, and the
+parser checks each call against the full schema (`tool_calls.py`). A response_format's
+own schema is compiled as given: what does not compile is a ValueError. A string
 parameter of the XML formats is free text up to its closing tag; its `enum` and
 `maxLength` are enforced, other string keywords are not.
 """
 
 import copy
 import json
+import logging
+import re
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 from .tool_calls import (
     TOOL_FORMATS, ToolsNotSupportedError, check_tool_choice, think_markers, tool_format,
 )
 
+logger = logging.getLogger(__name__)
 _FORMATS = ("json_object", "json_schema", "tool_call", "lark", "regex")
 REASONING = ("open", "optional", "none")
 REASONING_SHARE = 0.5  # of max_tokens: the default reasoning budget
 MAX_SEPARATOR = 4  # whitespace characters allowed between </think> and the answer
+MAX_PARALLEL_CALLS = 16  # calls one turn may hold when several are allowed
 
 
 def _fail(message: str, error=ValueError):
@@ -416,6 +427,96 @@ def _arg_key_call(grammar: _Grammar, function: dict) -> str:
     return grammar.rule(" ".join([_lark_string(name), *items]))
 
 
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_loosened: "OrderedDict[str, dict]" = OrderedDict()  # parameters JSON -> what compiles
+_loosened_lock = threading.Lock()
+LOOSENED_CACHE = 256
+
+
+def _drop(schema, unwanted: Callable[[str, Any], bool]):
+    """A copy without the keywords for which `unwanted(keyword, value)` holds (property
+    names and literal values are never taken for keywords)."""
+    if isinstance(schema, list):
+        return [_drop(v, unwanted) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if unwanted(key, value):
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _drop(v, unwanted) for name, v in value.items()}
+        elif key in ("const", "enum", "default", "examples"):
+            out[key] = value
+        else:
+            out[key] = _drop(value, unwanted)
+    return out
+
+
+def _bad_pattern(key: str, value) -> bool:
+    if key != "pattern" or not isinstance(value, str):
+        return False
+    llguidance = _require_llguidance()
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "pattern": value})
+    return bool(llguidance.LLMatcher.validate_grammar(grammar))
+
+
+def _compiles(schema: dict) -> str:
+    """llguidance's complaint about a schema ('' when it compiles)."""
+    llguidance = _require_llguidance()
+    Matcher = llguidance.LLMatcher
+    problem = Matcher.validate_grammar(Matcher.grammar_from_json_schema(_closed(schema)))
+    return "" if problem.startswith("WARNING") else problem
+
+
+def _loosen(schema: dict) -> tuple:
+    """(schema, dropped keywords): the schema less what llguidance does not implement."""
+    dropped: list = []
+    for _ in range(8):  # each round removes one kind of problem
+        problem = _compiles(schema)
+        keys = _UNIMPLEMENTED.search(problem)
+        fmt = _UNKNOWN_FORMAT.search(problem)
+        if keys:
+            names = set(json.loads(f"[{keys.group(1)}]"))
+            schema = _drop(schema, lambda key, value: key in names)
+            dropped += sorted(names)
+        elif fmt:
+            schema = _drop(schema, lambda key, value: key == "format" and value == fmt.group(1))
+            dropped.append(f"format {fmt.group(1)!r}")
+        elif "regex parse error" in problem:
+            schema = _drop(schema, _bad_pattern)
+            dropped.append("pattern (look-around or other regex llguidance does not parse)")
+        else:
+            break  # compiles, or a problem the grammar itself reports
+    return schema, dropped
+
+
+def grammar_parameters(tool: dict) -> dict:
+    """A tool with parameters the call grammar can compile (see the module doc); the
+    keywords left out are logged once per distinct schema."""
+    function = tool["function"]
+    key = json.dumps(function["parameters"], sort_keys=True)
+    with _loosened_lock:
+        cached = _loosened.get(key)
+        if cached is not None:
+            _loosened.move_to_end(key)
+    if cached is None:
+        cached, dropped = _loosen(function["parameters"])
+        if dropped:
+            logger.warning("tool %r: the call grammar leaves out %s (not implemented by "
+                           "llguidance); its calls are checked against the full schema once "
+                           "parsed", function["name"], ", ".join(dropped))
+        with _loosened_lock:
+            _loosened[key] = cached
+            while len(_loosened) > LOOSENED_CACHE:
+                _loosened.popitem(last=False)
+    if cached == function["parameters"]:
+        return tool
+    return {**tool, "function": {**function, "parameters": cached}}
+
+
 def _call_schema(tools: list) -> dict:
     options = []
     for tool in tools:
@@ -451,6 +552,7 @@ TOOL_MARKERS = ("<tool_call>", "</tool_call>")  # every constrained format opens
 
 
 def _tool_answer(grammar: _Grammar, normalized: dict, markers: _Markers) -> str:
+    normalized = dict(normalized, tools=[grammar_parameters(t) for t in normalized["tools"]])
     choice = normalized["tool_choice"]
     start_text = TOOL_MARKERS[0]
     start = markers.item(start_text)
@@ -465,11 +567,11 @@ def _tool_answer(grammar: _Grammar, normalized: dict, markers: _Markers) -> str:
             head = grammar.rule(f"{text} {start}", "[lazy]")
             free = grammar.token(_without(start_text))
         if normalized["parallel_tool_calls"]:
-            return grammar.rule(f"({head} {body})* {free}")
+            return grammar.rule(f"({head} {body}){{0,{MAX_PARALLEL_CALLS}}} {free}")
         return grammar.rule(f"{free} | {head} {body}")
     call = grammar.rule(f"{start} {body}")
     if normalized["parallel_tool_calls"] and not isinstance(choice, dict):
-        return grammar.rule(f'{call} ("\\n" {call})*')
+        return grammar.rule(f'{call} ("\\n" {call}){{0,{MAX_PARALLEL_CALLS - 1}}}')
     return call
 
 

@@ -93,6 +93,24 @@ def tool_choice_format(tokenizer, tools: list, choice: str, parallel: bool) -> O
             "parallel_tool_calls": bool(parallel), "format": form}
 
 
+def schema_problem(arguments: dict, schema: Optional[dict]) -> Optional[str]:
+    """Why a call's arguments break its tool's JSON schema; None when they match (or
+    the schema itself is not one a validator reads). Constrained calls match the
+    grammar, which may leave out keywords llguidance does not implement
+    (`constrained.py`): this is where those are checked."""
+    if not isinstance(schema, dict) or not schema:
+        return None
+    import jsonschema
+
+    validator = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+        error = jsonschema.exceptions.best_match(validator(schema).iter_errors(arguments))
+    except Exception:  # not a valid schema, or a $ref that does not resolve: unchecked
+        return None
+    return None if error is None else f"{error.json_path}: {error.message}"
+
+
 @dataclass
 class ToolCallEvent:
     """A complete (or, at the end of the output, unterminated) tool call."""
@@ -102,6 +120,7 @@ class ToolCallEvent:
     name: Optional[str]
     args: str  # JSON text of the arguments; not JSON when the call was malformed
     error: Optional[str] = None
+    cut: bool = False  # the output ended inside the call (max_tokens, a stop string, ...)
 
 
 class _Channel:
@@ -146,7 +165,9 @@ class OutputParser:
         self.call_start = getattr(tok, "tool_call_start", None) if self.parse_tools else None
         self.call_end = (getattr(tok, "tool_call_end", None) or "") if self.call_start else ""
         self.parser = getattr(tok, "tool_parser", None)
-        self._names = {(t.get("function") or t).get("name") for t in self.tools or []}
+        functions = [t.get("function") or t for t in self.tools or []]
+        self._names = {f.get("name") for f in functions}
+        self._schemas = {f.get("name"): f.get("parameters") for f in functions}
         self.pending = ""
         self.state = "reasoning" if self.in_reasoning else "content"
         self.channels = {"content": _Channel(), "reasoning": _Channel(strip_start=True)}
@@ -184,6 +205,10 @@ class OutputParser:
                 raise ValueError("a tool call needs a name and an arguments object")
             if self.tools and item["name"] not in self._names:
                 raise ValueError(f"no bound tool is named {item['name']!r}")
+            problem = schema_problem(arguments, self._schemas.get(item["name"]))
+            if problem is not None:
+                raise ValueError(f"the arguments do not match {item['name']!r}'s parameters: "
+                                 f"{problem}")
             calls.append((item["name"], arguments))
         return calls
 
@@ -197,7 +222,7 @@ class OutputParser:
             if cut:
                 reason = f"the call was cut before {self.call_end!r} ({cut}); {reason}"
             out.append(("tool_call", ToolCallEvent(index, new_call_id(), None, body.strip(),
-                                                   reason)))
+                                                   reason, cut=bool(cut))))
             self.n_calls = index + 1
             return
         for name, arguments in calls:
