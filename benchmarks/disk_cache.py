@@ -276,12 +276,13 @@ def main():
     paths = (target or str(DEMO_TARGET), None)  # every row is dense: no draft to load
     work = Path(tempfile.mkdtemp(prefix="specprefill-disk-"))
     os.environ["SPECPREFILL_CACHE_DIR"] = str(work / "home")  # the cost model starts empty
-    log(f"files under {work}; device {mx.default_device()}")
+    log(f"files under {work} (removed at the end); device {mx.default_device()}")
     rows = []
     for tokens in [] if args.no_timing else args.tokens:
         rows += timing(paths, tokens, args.bits, work, args.runs)
     if args.quality:
         rows += quality(paths, args.tokens[0], args.quality, work)
+    shutil.rmtree(work, ignore_errors=True)  # its files: hundreds of MB, GBs on a GPU
     print(table(rows), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows},
