@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -18,6 +19,7 @@ EXAMPLES = """examples:
   specprefill-engine ask notes.py --question "What is the secret passkey?"
   specprefill-engine ask a.py b.py -q "What is REGISTRY[\\"412-cobalt\\"]?" --compare
   specprefill-engine chat --file notes.py --system "Answer briefly."
+  specprefill-engine chat --session talk.json  # run again: the chat goes on from disk
   specprefill-engine bench                     # quick TTFT: dense vs SpecPrefill vs mlx-lm
   specprefill-engine eval                      # quick accuracy: dense vs SpecPrefill vs random
   specprefill-engine serve --port 8000         # OpenAI- and Anthropic-compatible HTTP server
@@ -27,6 +29,7 @@ model's chat template. Progress (prompt tokens scored by the draft, then prefill
 the target) goes to stderr: one line per phase on a terminal, a plain line every few
 seconds otherwise; --quiet turns it off.
 """
+DISK_CACHE_GB = {"chat": 10.0, "serve": 10.0}  # per command; the others keep nothing on disk
 PROGRESS_INTERVAL = 5.0  # seconds between plain progress lines when stderr is not a terminal
 PROGRESS_FLOOR = 1.0  # a phase done within its first report and this many seconds: not shown
 DEMO_MIN_TOKENS = 100  # room for the hidden facts and the question
@@ -111,18 +114,26 @@ class ProgressLine:
 
 
 def make_engine(args, **config):
-    """The Engine the command's --model, --draft, --keep and --threshold describe."""
+    """The Engine the command's --model, --draft, --keep, --threshold and
+    --disk-cache-gb describe."""
     from .engine import Engine
 
     settings = {name: getattr(args, name) for name in ("keep", "threshold")
                 if getattr(args, name, None) is not None}
-    return Engine(model=args.model, draft=args.draft, **settings, **config)
+    gb = args.disk_cache_gb
+    if gb is None:
+        gb = DISK_CACHE_GB.get(args.command, 0.0)
+    if not (math.isfinite(gb) and gb >= 0):
+        raise UsageError(f"--disk-cache-gb must be >= 0 (0: off), got {gb}")
+    return Engine(model=args.model, draft=args.draft, prefix_cache_disk_bytes=int(gb * 1e9),
+                  **settings, **config)
 
 
 def summary(result, dense_ttft=None) -> str:
     report, timings, usage = result.specprefill, result.timings, result.usage
     kept = f"kept {report.kept_tokens}/{report.total_tokens}" if report.engaged else f"dense ({report.reason})"
-    cached = f", {usage.cached_tokens} from the prefix cache" if usage.cached_tokens else ""
+    disk = " on disk" if report.reuse.endswith("(disk)") or "(disk)," in report.reuse else ""
+    cached = f", {usage.cached_tokens} from the prefix cache{disk}" if usage.cached_tokens else ""
     line = (
         f"prompt {usage.prompt_tokens} tokens{cached}, {kept}, "
         f"TTFT {timings.time_to_first_token:.2f}s, decode {timings.decode_tokens_per_s:.1f} tok/s"
@@ -251,17 +262,55 @@ def read_message(terminal: bool) -> Optional[str]:
     return "\n".join(lines) if lines else None
 
 
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def load_session(path: str) -> list:
+    """The messages a --session file holds ([] when it does not exist yet)."""
+    file = Path(path)
+    if not file.exists():
+        return []
+    try:
+        messages = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--session {path}: cannot read it as a chat ({error})") from None
+    if not (isinstance(messages, list) and all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise UsageError(f"--session {path}: not a chat (a JSON list of messages, each a "
+                         f"role among {', '.join(ROLES)} and a content string)")
+    return messages
+
+
+def save_session(path: str, messages: list) -> None:
+    """Written whole or not at all (a new file renamed over the old)."""
+    file = Path(path)
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(messages, ensure_ascii=False, indent=1), encoding="utf-8")
+    os.replace(tmp, file)
+
+
 def cmd_chat(args) -> int:
-    """Turns from stdin; the files (--file) open the first user message."""
+    """Turns from stdin; the files (--file) open the first user message. With
+    --session the chat is read from and saved to a file, so a later run goes on with
+    it (and the prefix cache on disk has its KV)."""
     if "-" in (args.file or []):
         raise UsageError("chat reads its messages from stdin: --file - cannot be stdin too")
     documents = {path: read_document(path) for path in args.file or []}
-    messages = system_messages(args.system)
+    messages = load_session(args.session) if args.session else []
+    if messages and (args.system or documents):
+        print(f"warning: --system and --file are ignored: {args.session} already holds the "
+              "chat's first messages", file=sys.stderr)
+    if not messages:
+        messages = system_messages(args.system)
     terminal = sys.stdin.isatty()
     with make_engine(args) as engine:
         if terminal and not args.quiet:
             print("chat with the model: type or paste a message, then two empty lines (or "
                   "Ctrl-D) send it; Ctrl-D on an empty message ends", file=sys.stderr)
+        if messages and not args.quiet:
+            print(f"continuing the chat in {args.session} ({len(messages)} messages)",
+                  file=sys.stderr)
         while True:
             text = read_message(terminal)
             if text is None:
@@ -276,6 +325,8 @@ def cmd_chat(args) -> int:
                 messages.pop()
                 continue
             messages.append({"role": "assistant", "content": reply})
+            if args.session:
+                save_session(args.session, messages)
     return 0
 
 
@@ -343,6 +394,9 @@ def parser() -> argparse.ArgumentParser:
                         f"(default {EngineConfig.keep})")
     models.add_argument("--threshold", type=int, help="use SpecPrefill from this many prompt "
                         f"tokens (default {EngineConfig.threshold})")
+    models.add_argument("--disk-cache-gb", type=float, metavar="GB",
+                        help="keep prefix caches on disk within this many GB, for later runs "
+                        "(default 10 for chat and serve, 0 (off) for the others)")
     common = argparse.ArgumentParser(add_help=False, parents=[models])
     choice = common.add_mutually_exclusive_group()
     choice.add_argument("--specprefill", action="store_true",
@@ -383,6 +437,9 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--file", action="append", metavar="PATH",
                       help="a text file to open the first message with (repeatable)")
     chat.add_argument("--system", help="a system message")
+    chat.add_argument("--session", metavar="PATH", help="a JSON file the chat is saved to "
+                      "after every answer; run again with it to go on (its KV comes back from "
+                      "the prefix cache on disk)")
     chat.set_defaults(run=cmd_chat)
     bench = commands.add_parser("bench", help="quick time-to-first-token comparison on the demo pair")
     bench.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])

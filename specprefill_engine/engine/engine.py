@@ -196,10 +196,16 @@ class Engine:
 
     def stats(self) -> dict:
         """What the engine has done in the background: `densify` (a `DensifyStats`:
-        turns densified, tokens computed, seconds spent, turns pending)."""
+        turns densified, tokens computed, seconds spent, turns pending) and, with a
+        prefix cache on disk (`prefix_cache_disk_bytes`), `disk` (a `DiskStats`: files
+        written and read, their bytes and seconds, reads skipped as slower than
+        prefilling, broken files ignored, why the tier is off)."""
         if self.rank:
             return {}
-        return {"densify": replace(self._worker.densify_stats)}
+        stats = {"densify": replace(self._worker.densify_stats)}
+        if self._worker.disk_stats is not None:
+            stats["disk"] = replace(self._worker.disk_stats)
+        return stats
 
     @property
     def tokenizer(self):

@@ -45,6 +45,7 @@ class TurnOutcome:
     tokens: list = field(default_factory=list)  # (handle, token, TokenLogprob or None)
     failed: dict = field(default_factory=dict)  # handle -> error
     stored: dict = field(default_factory=dict)  # handle -> the prefix-cache key it is kept as
+    draft_stored: dict = field(default_factory=dict)  # handle -> its draft prefix-cache key
     seconds: dict = field(default_factory=dict)  # handle -> time in its prefill chunks
     scored: dict = field(default_factory=dict)  # handle -> importance (np.ndarray), scoring done
     scoring_seconds: dict = field(default_factory=dict)  # handle -> time in its scoring unit
@@ -272,7 +273,9 @@ class Executor:
                 importance = importance_of(scorer.model, work.sites, work.queries, work.cache,
                                            unit.length, scorer.pool_kernel, scorer.n_window)
                 if unit.store and self.draft_prefix is not None:
-                    self.draft_prefix.store(unit.tokens, work.cache)
+                    key = self.draft_prefix.store(unit.tokens, work.cache)
+                    if key is not None:
+                        outcome.draft_stored[handle] = key
                 del self.scoring[handle]
                 outcome.scored[handle] = np.array(importance, dtype=np.float32)
             elif unit.lookahead:

@@ -304,9 +304,24 @@ def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixCach
     plan_dense(state, runtime, find_dense(state, caches.target))
 
 
+def promote(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
+    """Before any lookup: what the disk tiers hold beyond memory, read back where that
+    pays. A dense prefix for every request; for one that may be scored, any stored view
+    and the draft's prompt KV too."""
+    if caches.target is not None:
+        caches.target.promote(state.tokens, dense_only=True)
+    if runtime.scorer is None or state.specprefill is False:
+        return
+    if caches.target is not None:
+        caches.target.promote(state.tokens)
+    if caches.draft is not None:
+        caches.draft.promote(state.tokens)
+
+
 def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
     """Decide the request's prefill: scoring (then `plan_sparse`) or a dense feed."""
     caches = caches_for(state, caches)
+    promote(state, runtime, caches)
     dense_hit = find_dense(state, caches.target)
     report = state.report
     report.engaged, report.reason = decide(state, runtime, caches, dense_hit)

@@ -24,11 +24,18 @@ ranks make the same calls (`store`, `touch`, `drop`, `clear`; `find` changes not
 and hold the same entries under the same keys. `store` never evicts: the budget is kept
 by dropping `evictions()`, which rank 0 decides with the entries a planned restore
 still needs pinned, and every rank drops.
+
+A disk tier (`disk_cache.py`, one process alone: never on a sharded target) may sit
+under the cache: `persist` hands it an entry worth keeping (a turn's last store, an
+entry about to be evicted), `promote` reads one back on a miss when reading is
+predicted faster than prefilling what it adds. Memory stays the only place restores
+read from.
 """
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -37,6 +44,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ..core.prefill import cache_length
 
+logger = logging.getLogger(__name__)
 MAX_CHECKPOINTS = 16  # per entry; the longest are kept, the ones a next turn can use
 
 
@@ -61,11 +69,13 @@ def checkpointed(model) -> bool:
     return not reusable(make_prompt_cache(model))
 
 
-def prefix_cache_for(model, max_bytes: int) -> Optional["PrefixCache"]:
+def prefix_cache_for(model, max_bytes: int, disk=None,
+                     predict: Optional[Callable[[int, int], float]] = None
+                     ) -> Optional["PrefixCache"]:
     """A prefix cache for `model`, or None when it has no budget or a cache layer that
-    can neither be cut nor rebuilt."""
+    can neither be cut nor rebuilt; `disk` and `predict` as `PrefixCache` takes them."""
     if max_bytes and supported(make_prompt_cache(model)):
-        return PrefixCache(max_bytes)
+        return PrefixCache(max_bytes, disk=disk, predict=predict)
     return None
 
 
@@ -75,7 +85,7 @@ def _hold(tree):
     return tree_map(lambda x: x[...] if isinstance(x, mx.array) else x, tree)
 
 
-def _nbytes(tree) -> int:
+def tree_nbytes(tree) -> int:
     return sum(x.nbytes for _, x in tree_flatten(tree) if isinstance(x, mx.array))
 
 
@@ -96,7 +106,7 @@ def snapshot(cache: list) -> Snapshot:
     """The cache's uncuttable layers now, by reference: cheap enough to take at every
     point a later prompt may share (each chat message's end, the prompt's end)."""
     layers = {i: (type(c), _hold(c.state)) for i, c in enumerate(cache) if not cuttable(c)}
-    return Snapshot(layers, cache_length(cache, None), _nbytes(list(layers.values())))
+    return Snapshot(layers, cache_length(cache, None), tree_nbytes(list(layers.values())))
 
 
 @dataclass
@@ -109,6 +119,8 @@ class Entry:
     nbytes: int = 0
     keep: float = 1.0  # the share of the prompt its selection kept (1.0: dense)
     densified: bool = False  # computed while idle from a SpecPrefill turn
+    disk: Optional[str] = None  # its file in the disk tier (written, queued or read)
+    from_disk: bool = False  # read back from the disk tier and not restored since
 
     @property
     def count(self) -> int:
@@ -141,8 +153,8 @@ class Entry:
             return max(limit, 0)
         return max((length for length in self.checkpoints if length <= limit), default=0)
 
-    def _size(self) -> int:
-        return _nbytes(self.kv) + sum(s.nbytes for s in self.checkpoints.values())
+    def memory_bytes(self) -> int:
+        return tree_nbytes(self.kv) + sum(s.nbytes for s in self.checkpoints.values())
 
 
 @dataclass
@@ -169,10 +181,30 @@ class Hit:
             text = f"checkpoint at {cut} of {self.shared} shared tokens"
         if entry.positions is not None:
             text += f" ({entry.count_before(cut)} entries)"
+        if entry.from_disk:
+            text += " (disk)"
         return text
 
 
-def _extends(long: Entry, short: Entry) -> bool:
+def best_hit(entries, tokens: np.ndarray, dense_only: bool = False) -> Optional[Hit]:
+    """Of `entries` (oldest first: the newest wins a tie), the one a restore for
+    `tokens` reuses most of (`PrefixCache.find`)."""
+    best = None
+    for entry in entries:
+        n = min(entry.tokens.size, tokens.size - 1)
+        if dense_only:
+            n = min(n, entry.dense_length())
+        if n <= 0 or (best is not None and entry.restorable(n) < best.cut):
+            continue
+        mismatch = np.flatnonzero(entry.tokens[:n] != tokens[:n])
+        shared = int(mismatch[0]) if mismatch.size else n
+        cut = entry.restorable(shared)
+        if cut > 0 and (best is None or cut >= best.cut):
+            best = Hit(entry, shared, cut)
+    return best
+
+
+def extends(long: Entry, short: Entry) -> bool:
     """`long` was fed `short`'s entries first and no other entry before short's end,
     so each of short's checkpoints holds for long."""
     n = short.tokens.size
@@ -208,32 +240,61 @@ def _validated(tokens: np.ndarray, positions: Optional[np.ndarray], checkpoints:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int = 2 << 30, max_checkpoints: int = MAX_CHECKPOINTS):
+    """`disk`: a `disk_cache.DiskTier` under the memory (None: memory only);
+    `predict(tokens, cached)`: the predicted seconds of prefilling `tokens` after
+    `cached` entries (the policy's cost model), against which a read is weighed."""
+
+    def __init__(self, max_bytes: int = 2 << 30, max_checkpoints: int = MAX_CHECKPOINTS,
+                 disk=None, predict: Optional[Callable[[int, int], float]] = None):
         self.max_bytes = max_bytes
         self.max_checkpoints = max_checkpoints
         self.entries: "OrderedDict[int, Entry]" = OrderedDict()
         self.total_bytes = 0
         self.next_key = 0  # keys are never reused; on every rank the same entry has one key
         self.merged: dict[int, int] = {}  # key -> the key of the entry that absorbed it
+        self.disk = disk
+        self.predict = predict
 
     def find(self, tokens: np.ndarray, dense_only: bool = False) -> Optional[Hit]:
         """The entry a restore for `tokens` reuses most of: the longest restorable
         prefix of the shared one, leaving at least one token to prefill so the caller
         gets logits. `dense_only`: count only positions an entry holds without gaps
         (for a dense request). None when nothing is restorable."""
-        best = None
-        for entry in self.entries.values():  # oldest first: the newest wins a tie
-            n = min(entry.tokens.size, tokens.size - 1)
-            if dense_only:
-                n = min(n, entry.dense_length())
-            if n <= 0 or (best is not None and entry.restorable(n) < best.cut):
-                continue
-            mismatch = np.flatnonzero(entry.tokens[:n] != tokens[:n])
-            shared = int(mismatch[0]) if mismatch.size else n
-            cut = entry.restorable(shared)
-            if cut > 0 and (best is None or cut >= best.cut):
-                best = Hit(entry, shared, cut)
-        return best
+        return best_hit(self.entries.values(), tokens, dense_only)
+
+    def promote(self, tokens: np.ndarray, dense_only: bool = False) -> Optional[Hit]:
+        """Consult the disk tier for `tokens` (as `find` does memory): read back the file
+        that reaches further than memory's best when reading it is predicted faster than
+        prefilling the entries it adds, and keep it in memory. The disk's hit when it was
+        read, else None."""
+        if self.disk is None:
+            return None
+        tokens = np.asarray(tokens)
+        held = self.find(tokens, dense_only)
+        hit = best_hit(self.disk.entries(), tokens, dense_only)
+        base = held.cut if held is not None else 0
+        if hit is None or hit.cut <= base or hit.entry.nbytes > self.max_bytes:
+            return None
+        entry, cached = hit.entry, held.entry.count_before(base) if held is not None else 0
+        adds = entry.count_before(hit.cut) - cached
+        prefill_s = self.predict(adds, cached) if self.predict is not None else float("inf")
+        if not self.disk.pays(entry, prefill_s):
+            return None
+        loaded = self.disk.read(entry)
+        if loaded is None:
+            return None
+        loaded.key, loaded.from_disk = self.next_key, True
+        self.next_key += 1
+        self.entries[loaded.key] = loaded
+        self.total_bytes += loaded.nbytes
+        return Hit(loaded, hit.shared, hit.cut)
+
+    def persist(self, key: int) -> None:
+        """Keep entry `key` on disk too (a turn's last store, an entry about to be
+        evicted); nothing when there is no disk tier or the entry is there already."""
+        entry = self.entries.get(self.resolve(key))
+        if self.disk is not None and entry is not None and entry.disk is None:
+            entry.disk = self.disk.write(entry)
 
     def resolve(self, key: int) -> int:
         """The key an entry now lives under (a newer entry may have absorbed it)."""
@@ -244,6 +305,7 @@ class PrefixCache:
     def touch(self, key: int) -> None:
         """An entry was used: it is the last to be evicted."""
         self.entries.move_to_end(key)
+        self.entries[key].from_disk = False
 
     @staticmethod
     def restore(model, hit: Optional[Hit], cut: int) -> tuple[list, Optional[np.ndarray]]:
@@ -299,14 +361,14 @@ class PrefixCache:
                   for c in cache]
 
         for old in reversed(self.entries.values()):  # newest first
-            if _extends(old, new):  # already held: only the checkpoints are new
+            if extends(old, new):  # already held: only the checkpoints are new
                 return self._add_checkpoints(old, checkpoints)
-        absorbed = [old for old in self.entries.values() if _extends(new, old)]
+        absorbed = [old for old in self.entries.values() if extends(new, old)]
         for old in absorbed:
             checkpoints = {**old.checkpoints, **checkpoints}
             new.densified |= old.densified  # its prefix came from a densified turn
         new.checkpoints = self._bounded(checkpoints)
-        new.nbytes = new._size()
+        new.nbytes = new.memory_bytes()
         if new.nbytes > self.max_bytes:
             return None
         mx.eval(new.kv, _states(new.checkpoints))  # a failed copy fails here, changing nothing
@@ -331,6 +393,7 @@ class PrefixCache:
             return None
         mx.eval(_states(merged))
         entry.checkpoints = merged
+        entry.disk = None  # changed: a later `persist` writes it anew
         self.total_bytes += size - entry.nbytes
         entry.nbytes = size
         self.entries.move_to_end(entry.key)

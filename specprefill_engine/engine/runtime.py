@@ -2,11 +2,13 @@
 
 import logging
 import math
+import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from .._blas import blas_status
@@ -15,6 +17,7 @@ from ..core.scoring import default_draft_step_size
 from ..loading import ModelLoadError, check_same_tokenizer, load_model
 from .batch import batching_support
 from .chat import DEFAULT_RECENT_CAP, DEFAULT_SYSTEM_CAP
+from .disk_cache import model_identity
 from .distributed import Channel, agree
 from .plan import TurnPlan
 from .prefix_cache import checkpointed
@@ -66,6 +69,9 @@ class EngineConfig:
     max_batch_size: int = 32
     kv_cache_bytes: Optional[int] = None
     draft_prefix_cache_bytes: int = 4 << 30
+    prefix_cache_disk_bytes: int = 0  # both models' files on disk, least recently used out; 0: off
+    prefix_cache_disk_bits: int = 0  # 8 or 4: KV stored quantized on disk; 0: as computed
+    cache_dir: Optional[str] = None  # the disk tier's folder's parent; None: `cache_dir()`
     reuse_coverage: float = 0.9
     specprefill_margin: float = 0.1
     recent_message_cap: int = DEFAULT_RECENT_CAP  # tokens of the newest message kept
@@ -90,6 +96,16 @@ class EngineConfig:
         if not (isinstance(self.rank_timeout, (int, float)) and self.rank_timeout > 0):
             raise ValueError(f"rank_timeout must be a number of seconds > 0, got "
                              f"{self.rank_timeout!r}")
+        disk = self.prefix_cache_disk_bytes
+        if isinstance(disk, bool) or not isinstance(disk, int) or disk < 0:
+            raise ValueError(f"prefix_cache_disk_bytes must be an integer >= 0 (0: off), got "
+                             f"{disk!r}")
+        if self.prefix_cache_disk_bits not in (0, 4, 8) or isinstance(
+                self.prefix_cache_disk_bits, bool):
+            raise ValueError(f"prefix_cache_disk_bits must be 0, 4 or 8, got "
+                             f"{self.prefix_cache_disk_bits!r}")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise TypeError(f"cache_dir must be a path or None, got {self.cache_dir!r}")
         for name in ("step_size", "draft_step_size", "kv_cache_bytes"):
             value = getattr(self, name)
             if value is not None:
@@ -112,6 +128,7 @@ class Runtime:
     checkpointed: bool = False  # caches that cannot be cut: snapshots at message boundaries
     group: object = None  # the distributed group of a sharded target; None on one machine
     channel: Optional[Channel] = None  # rank 0's plan broadcast to the other ranks
+    identities: tuple = ("", "")  # target's and draft's `model_identity`; "": no disk tier
 
 
 @dataclass(frozen=True)
@@ -155,6 +172,21 @@ def kv_bytes_per_token(model: nn.Module) -> int:
         if isinstance(keys, mx.array) and isinstance(values, mx.array):
             total += (keys.nbytes + values.nbytes) // max(keys.shape[2], 1)
     return total
+
+
+def identity_of(path: Optional[str], model: Optional[nn.Module]) -> str:
+    """The model's `model_identity` for its disk tier, "" when there is none to give
+    (no model, or a hub id whose files are not found locally)."""
+    if path is None or model is None:
+        return ""
+    dtype = next((str(v.dtype) for _, v in tree_flatten(model.parameters())
+                  if mx.issubdtype(v.dtype, mx.floating)), "")
+    try:
+        return model_identity(path, dtype)
+    except (OSError, ValueError, ImportError) as error:
+        logger.warning("no prefix cache on disk for %s: its files are not found (%r)", path,
+                       error)
+        return ""
 
 
 def load_target(model_path: str, dtype, group) -> tuple:
@@ -202,7 +234,10 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
             channel.post(TurnPlan(shutdown=True))  # the other ranks wait for plans: release them
         raise
     costs = cost_model(model, draft, (model_path, draft_path, dtype, group.size() if group else 1))
+    identities = ("", "")
+    if config.prefix_cache_disk_bytes and group is None:  # a shard's KV is its rank's alone
+        identities = (identity_of(model_path, model), identity_of(draft_path, draft))
     return Runtime(model, tokenizer, scorer, config, context_length_of(model), batch_reason,
                    kv_bytes, vocab_size_of(model, tokenizer), costs,
                    checkpointed=checkpointed(model), group=group,
-                   channel=channel)
+                   channel=channel, identities=identities)

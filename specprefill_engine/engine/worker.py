@@ -36,13 +36,16 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
 
+from ..loading import cache_dir
 from . import densify
 from .delivery import one_delivery
+from .disk_cache import FOLDER as DISK_FOLDER, DiskCache, DiskStats
 from .distributed import Watchdog
 from .executor import Executor, TurnOutcome
 from .plan import Join, Store, TurnPlan
@@ -50,6 +53,7 @@ from .planner import (
     PrefixCaches, begin, caches_for, fall_back_to_dense, plan_sparse, scoring_units,
     short_prefill_share,
 )
+from .policy import LONG
 from .prefix_cache import PrefixCache, prefix_cache_for
 from .results import Progress
 from .runtime import EngineInfo, Runtime
@@ -68,14 +72,42 @@ class RequestFailedError(RuntimeError):
     """One request failed on the worker (the cause is chained); the engine goes on."""
 
 
-def make_prefix_caches(runtime: Runtime) -> PrefixCaches:
-    """The target's prefix cache (every rank keeps one alike) and the draft's (rank 0)."""
+def make_disk_cache(runtime: Runtime) -> Optional[DiskCache]:
+    """The disk tier's folder under both prefix caches, when it has a budget (never on a
+    sharded target: `Runtime.identities` are empty there)."""
     config = runtime.config
+    if not config.prefix_cache_disk_bytes or not any(runtime.identities):
+        return None
+    root = Path(config.cache_dir) if config.cache_dir is not None else cache_dir()
+    return DiskCache(root / DISK_FOLDER, config.prefix_cache_disk_bytes,
+                     config.prefix_cache_disk_bits)
+
+
+def make_prefix_caches(runtime: Runtime, disk: Optional[DiskCache] = None) -> PrefixCaches:
+    """The target's prefix cache (every rank keeps one alike) and the draft's (rank 0),
+    each over its model's disk tier in `disk`."""
+    config, costs = runtime.config, runtime.costs
+
+    def cache_for(model, budget: int, identity: str, which: str):
+        tier = disk.tier(identity) if disk is not None and identity else None
+
+        def predict(tokens: int, cached: int) -> float:
+            # until a long prefill was measured on this machine the cost model's rates
+            # are its prior, FLOPs without seconds: a read is taken to pay, as every
+            # peer restores
+            if not any(point[0] >= LONG for point in (*costs.target, *costs.draft)):
+                return float("inf")
+            return costs.predict(which, tokens, cached)
+
+        return prefix_cache_for(model, budget, tier, predict)
+
     scorer_model = getattr(runtime.scorer, "model", None)
     draft = None
     if scorer_model is not None:
-        draft = prefix_cache_for(scorer_model, config.draft_prefix_cache_bytes)
-    return PrefixCaches(prefix_cache_for(runtime.model, config.prefix_cache_bytes), draft)
+        draft = cache_for(scorer_model, config.draft_prefix_cache_bytes, runtime.identities[1],
+                          "draft")
+    target = cache_for(runtime.model, config.prefix_cache_bytes, runtime.identities[0], "target")
+    return PrefixCaches(target, draft)
 
 
 class Worker:
@@ -94,6 +126,7 @@ class Worker:
         self._jobs: deque = deque()  # SpecPrefill turns to densify while idle
         self._replacing: dict = {}  # handle of a sparse turn stored this plan -> its job
         self.densify_stats = densify.DensifyStats()
+        self.disk_stats: Optional[DiskStats] = None  # the disk tier's, when it has one
         self._reserved = 0
         self.runtime: Optional[Runtime] = None
         self.executor: Optional[Executor] = None
@@ -147,7 +180,9 @@ class Worker:
             mx.clear_streams()
             return
         self.runtime = runtime  # for inspection only: never used off this thread
-        caches = make_prefix_caches(runtime)
+        disk = make_disk_cache(runtime)
+        self.disk_stats = disk.stats if disk is not None else None
+        caches = make_prefix_caches(runtime, disk)
         self.executor = Executor(runtime.model, caches.target, runtime.group,
                                  scorer=runtime.scorer, draft_prefix=caches.draft)
         if runtime.group is not None:
@@ -163,12 +198,16 @@ class Worker:
             logger.exception("engine worker failed")
             self._fail(error)
         finally:
+            if disk is not None and self.failure is None:
+                self._keep_last_turns(caches)
             self._abort_all()
             if self._watchdog is not None:
                 self._watchdog.stop()
             if runtime.channel is not None and self.failure is None:
                 runtime.channel.post(TurnPlan(shutdown=True))  # the other ranks exit
             runtime.costs.save()
+            if disk is not None:
+                disk.close()  # the queued writes finish; their arrays are let go here
             self.executor.clear()
             self.runtime = self.executor = None
             del runtime, caches  # the models are freed here, on their own thread
@@ -210,6 +249,7 @@ class Worker:
         if caches.draft is not None:
             plan.draft_drops = caches.draft.evictions(
                 {u.restore.key for u in plan.scoring if u.restore is not None})
+        self._spill(plan, caches)
         if plan:
             if runtime.channel is not None and plan.targets():
                 runtime.channel.post(plan)
@@ -218,9 +258,46 @@ class Worker:
             outcome = self.executor.run(plan)
             if self._watchdog is not None:
                 self._watchdog.turn_started = None
+            self._persist(plan, outcome, caches)
             self._absorb(plan, outcome, runtime, caches)
             self._densified(plan, outcome)
         return True
+
+    @staticmethod
+    def _spill(plan: TurnPlan, caches: PrefixCaches) -> None:
+        """Entries about to be evicted go to the disk tier, if there is one."""
+        for cache, keys in ((caches.target, plan.drops), (caches.draft, plan.draft_drops)):
+            if cache is not None and cache.disk is not None:
+                for key in keys:
+                    cache.persist(key)
+
+    @staticmethod
+    def _persist(plan: TurnPlan, outcome: TurnOutcome, caches: PrefixCaches) -> None:
+        """What is worth keeping on disk: a store whose work is released in the same plan
+        is its last (a turn's prompt and reply, a finished densify), and the draft's
+        prompt KV, stored once a scoring is done."""
+        target, draft = caches.target, caches.draft
+        if target is not None and target.disk is not None:
+            released = set(plan.releases)
+            for store in plan.stores:
+                if store.handle in released and store.handle in outcome.stored:
+                    target.persist(outcome.stored[store.handle])
+        if draft is not None and draft.disk is not None:
+            for key in outcome.draft_stored.values():
+                draft.persist(key)
+
+    def _keep_last_turns(self, caches: PrefixCaches) -> None:
+        """At shutdown: the stores of requests that ended after the last plan (their
+        results are out, their caches not kept yet), so the disk tier has every turn."""
+        plan = TurnPlan()
+        self._plan_endings(plan, self._live(), caches.target)
+        if plan.stores:
+            try:
+                outcome = self.executor.run(plan)
+            except Exception as error:  # shutting down: the turn is only not kept
+                logger.warning("keeping the last turns at shutdown failed: %r", error)
+                return
+            self._persist(plan, outcome, caches)
 
     def _take_new(self, block: bool) -> bool:
         """Wait for a submission when there is nothing to do; False once told to stop."""
