@@ -231,6 +231,11 @@ class CostModel:
                  for tokens, cached, seconds, _ in getattr(self, which) if tokens >= LONG]
         return float(np.median(rates)) if rates else None
 
+    def measured(self) -> bool:
+        """Whether a long prefill of either model was measured: before that, predictions
+        are in the prior's units (only their ratios mean anything)."""
+        return bool(self._long("target") or (self.draft_shape is not None and self._long("draft")))
+
     def _long(self, which: str) -> int:
         return sum(tokens >= LONG for tokens, *_ in getattr(self, which))
 

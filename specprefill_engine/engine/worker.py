@@ -53,7 +53,6 @@ from .planner import (
     PrefixCaches, begin, caches_for, fall_back_to_dense, plan_sparse, scoring_units,
     short_prefill_share,
 )
-from .policy import LONG
 from .prefix_cache import PrefixCache, prefix_cache_for
 from .results import Progress
 from .runtime import EngineInfo, Runtime
@@ -95,9 +94,7 @@ def make_prefix_caches(runtime: Runtime, disk: Optional[DiskCache] = None) -> Pr
             # until a long prefill was measured on this machine the cost model's rates
             # are its prior, FLOPs without seconds: a read is taken to pay, as every
             # peer restores
-            if not any(point[0] >= LONG for point in (*costs.target, *costs.draft)):
-                return float("inf")
-            return costs.predict(which, tokens, cached)
+            return costs.predict(which, tokens, cached) if costs.measured() else float("inf")
 
         return prefix_cache_for(model, budget, tier, predict)
 
