@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse
 
 from specprefill_engine.engine.sampling import MAX_LOGPROBS, SamplingParams
 
-from .chat import Call, Extensions, Loose, given_options, note_ignored, prepare, read_events, report
+from .calls import Call, Extensions, Loose, given_options, note_ignored, prepare, read_events, report
 from .errors import APIError, openai_body
 from .streaming import EventStream, merged, output_events, whole_results
 
