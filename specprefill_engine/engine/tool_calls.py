@@ -286,20 +286,3 @@ class OutputParser:
                     out.append((kind, tail))
         return out
 
-
-def split_tool_calls(text: str, tokenizer, tools: Optional[list] = None) -> tuple[str, list, list]:
-    """Whole-text form: (content without the calls, tool_calls, invalid_tool_calls)."""
-    parser = OutputParser(tokenizer, parse_tools=True, tools=tools)
-    content, calls, invalid = [], [], []
-    for kind, value in parser.feed(text) + parser.finish():
-        if kind == "content":
-            content.append(value)
-        elif kind == "reasoning":
-            content.append(f"{parser.think_start}{value}{parser.think_end}")
-        elif value.error is None:
-            calls.append({"name": value.name, "args": json.loads(value.args), "id": value.id,
-                          "type": "tool_call"})
-        else:
-            invalid.append({"name": value.name, "args": value.args, "id": value.id,
-                            "error": value.error, "type": "invalid_tool_call"})
-    return "".join(content).strip(), calls, invalid
