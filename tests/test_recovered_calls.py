@@ -63,6 +63,8 @@ def read(tokenizer, text: str, tools=TOOLS, by_char: bool = False) -> tuple:
     (f"```json\n{CALL}\n", "", [("read_file", {"path": "a.py"})]),  # ended before the fence
     (f"<think>x</think>{CALL}", "", [("read_file", {"path": "a.py"})]),
     ('{"name": "read_file", "arguments": {"path": "```"}}', "", [("read_file", {"path": "```"})]),
+    ('{"name": "read_file", "arguments": {"path": "C:\\\\}\\""}}', "",
+     [("read_file", {"path": 'C:\\}"'})]),  # escapes, a bracket in a string
 ])
 def test_calls_without_markers_are_read_whole_or_char_by_char(tokenizer, text, content, calls):
     for by_char in (False, True):

@@ -44,7 +44,8 @@ _FENCE = re.compile(r"^[ \t]*(```)", re.M)
 _PARTIAL_FENCE = re.compile(r"^[ \t]*(`{1,2})\Z", re.M)
 _WORD = re.compile(r"[A-Za-z_]*")
 _SPACE = re.compile(r"\s*")
-_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|"|[{}\[\]]')  # a string, an open one, a bracket
+_STRUCTURE = re.compile(r'["{}\[\]]')  # what counts in JSON outside strings
+_IN_STRING = re.compile(r'["\\]')  # and inside them
 _CALL_KEYS = {"name", "arguments", "parameters", "id", "type"}
 
 
@@ -131,23 +132,6 @@ def schema_problem(arguments: dict, schema: Optional[dict]) -> Optional[str]:
     return None if error is None else f"{error.json_path}: {error.message}"
 
 
-def _json_end(text: str, start: int) -> Optional[int]:
-    """Where the JSON object or array at `text[start]` ends (by its brackets, outside
-    strings); None when the text ends first."""
-    depth = 0
-    for match in _JSON_TOKEN.finditer(text, start):
-        token = match.group()
-        if token == '"':
-            return None  # a string the text ends inside
-        if token in ("{", "["):
-            depth += 1
-        elif token in ("}", "]"):
-            depth -= 1
-            if depth == 0:
-                return match.end()
-    return None
-
-
 @dataclass
 class ToolCallEvent:
     """A complete (or, at the end of the output, unterminated) tool call."""
@@ -212,6 +196,7 @@ class OutputParser:
         self.recover = self.parse_tools and any(isinstance(n, str) for n in self._names)
         self.line_start = True  # the content so far ends at the start of a line
         self.in_code = False  # inside a fenced block that holds no calls
+        self.scanned = None  # how far _json_end read the held text: (start, at, depth, in string)
 
     # events: ("content", text) | ("reasoning", text) | ("tool_call", ToolCallEvent)
 
@@ -306,6 +291,33 @@ class OutputParser:
             calls.append((name, arguments))
         return calls or None
 
+    def _json_end(self, text: str, start: int) -> Optional[int]:
+        """Where the JSON object or array at `text[start]` ends (by its brackets, outside
+        strings); None when the text ends first. Held text only grows, so a later look
+        at the same start goes on from where this one stopped."""
+        at, depth, in_string = start, 0, False
+        if self.scanned is not None and self.scanned[0] == start:
+            _, at, depth, in_string = self.scanned
+        while True:
+            match = (_IN_STRING if in_string else _STRUCTURE).search(text, at)
+            if match is None:
+                self.scanned = (start, len(text), depth, in_string)
+                return None
+            char, at = match.group(), match.end()
+            if in_string and char == "\\":
+                if at == len(text):  # the escaped character is still to come
+                    self.scanned = (start, at - 1, depth, True)
+                    return None
+                at += 1
+            elif char == '"':
+                in_string = not in_string
+            elif char in "{[":
+                depth += 1
+            else:
+                depth -= 1
+                if depth == 0:
+                    return at
+
     def _opener(self) -> Optional[int]:
         """Where the first fence or JSON opener at the start of a line is in `pending`
         (in a code block only its closing fence counts)."""
@@ -343,7 +355,7 @@ class OutputParser:
                 return i, None, True
             values = []
             while True:
-                end = _json_end(text, i)
+                end = self._json_end(text, i)
                 if end is None:
                     return more
                 try:
@@ -371,7 +383,7 @@ class OutputParser:
             if text[i] != expected:
                 return 1, None, False
             i += 1
-        end = _json_end(text, 0)
+        end = self._json_end(text, 0)
         if end is None:
             return more
         try:
@@ -387,6 +399,7 @@ class OutputParser:
             return False
         n, calls, code = read
         text, self.pending = self.pending[:n], self.pending[n:]
+        self.scanned = None
         if calls is None:
             self._emit("content", text, out)
             self.in_code = code
