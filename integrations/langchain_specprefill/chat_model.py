@@ -31,7 +31,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from specprefill_engine import Engine
 
 from specprefill_engine.engine.chat import tool_request, tools_problem
-from specprefill_engine.engine.runtime import EngineConfig
+from specprefill_engine.engine.runtime import EngineConfig, check_keep
 from specprefill_engine.engine.sampling import SamplingParams, check_keywords
 from specprefill_engine.engine.tool_calls import (
     OutputParser, ToolsNotSupportedError, check_tool_choice,
@@ -97,8 +97,9 @@ class ChatSpecPrefill(BaseChatModel):
     dtype: Optional[Literal["auto", "float32", "bfloat16", "float16"]] = "auto"
     """Weights dtype: "auto" (float32 on the CPU, stored dtype on a GPU), None (stored),
     or a name (an `mx` dtype is taken by its name)."""
-    keep: float = 0.3
-    """Fraction of prompt tokens SpecPrefill keeps (per request)."""
+    keep: Optional[float] = None
+    """Fraction of prompt tokens SpecPrefill keeps (per request); None: the engine's
+    (0.3), under its draft check (a keep given runs a draft not vouched for)."""
     threshold: int = 1024
     """SpecPrefill engages for prompts of at least this many new tokens (per request)."""
     specprefill: Optional[bool] = None
@@ -157,7 +158,9 @@ class ChatSpecPrefill(BaseChatModel):
     def _engine_rules(self) -> "ChatSpecPrefill":
         """The engine's own checks of the request settings, at construction rather than
         at the first call."""
-        EngineConfig(keep=self.keep, threshold=self.threshold)
+        EngineConfig(threshold=self.threshold)
+        if self.keep is not None:
+            check_keep(self.keep)
         SamplingParams(**{name: getattr(self, name) for name in SAMPLING_FIELDS},
                        stop=tuple(self.stop or ()))
         return self
