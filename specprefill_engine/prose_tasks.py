@@ -107,7 +107,7 @@ def _needles(rng: random.Random, kind: str) -> tuple:
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
-def _layout(tokenizer, question: str, prefix: str) -> tuple:
+def layout(tokenizer, question: str, prefix: str) -> tuple:
     """(text before the document, text after it): the chat template's user turn with the
     answer's opening in the reply, or a plain layout for a base model."""
     if getattr(tokenizer, "chat_template", None):
@@ -123,7 +123,7 @@ def make_case(tokenizer, kind: str, length: int, seed: int) -> Case:
     """A prompt of about `length` tokens (whole paragraphs) of `kind`."""
     rng = random.Random(f"{kind}:{length}:{seed}")
     sentences, needed, question, prefix, answer = _needles(rng, kind)
-    head, tail = _layout(tokenizer, question, prefix)
+    head, tail = layout(tokenizer, question, prefix)
 
     def encode(text: str, first: bool = False) -> list:
         return tokenizer.encode(text, add_special_tokens=first)

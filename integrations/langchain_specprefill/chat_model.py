@@ -98,7 +98,8 @@ class ChatSpecPrefill(BaseChatModel):
     """Weights dtype: "auto" (float32 on the CPU, stored dtype on a GPU), None (stored),
     or a name (an `mx` dtype is taken by its name)."""
     keep: Optional[float] = None
-    """Fraction of prompt tokens SpecPrefill keeps (per request; None: the engine's)."""
+    """Fraction of prompt tokens SpecPrefill keeps (per request); None: the engine's,
+    under its draft check (a keep given runs a draft not vouched for)."""
     threshold: Optional[int] = None
     """SpecPrefill may engage from this many new prompt tokens (None: the engine's)."""
     specprefill: Optional[bool] = None

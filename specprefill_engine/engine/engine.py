@@ -132,6 +132,7 @@ class Engine:
     ):
         check_keywords("Engine()", config, CONFIG_KEYWORDS)
         self.config = EngineConfig(**config)
+        self._keep_given = "keep" in config
         dtype = resolve_dtype(dtype)
         self.model_path = resolve_model_path(model, DEMO_TARGET)
         use_draft = draft is not None or model is None
@@ -186,13 +187,14 @@ class Engine:
 
     @property
     def info(self) -> EngineInfo:
-        """Tokenizer, context length, batching support (blocks until loaded; still
-        readable after shutdown)."""
+        """Tokenizer, context length, batching support, the draft check's verdict at the
+        engine's keep (`draft`, a `DraftVerdict`; None without a draft) (blocks until
+        loaded; still readable after shutdown)."""
         if self.rank:
             self.start_sync()  # a follower serves, then exits: it has no info to give
-        if self._started:
-            return self._worker.ready.result()
-        return self._ensure_started().result()
+        info = (self._worker.ready if self._started else self._ensure_started()).result()
+        check = self._worker.draft_check
+        return info if check is None else replace(info, draft=check.verdict(self.config.keep))
 
     def stats(self) -> dict:
         """What the engine has done in the background: `densify` (a `DensifyStats`:
@@ -338,6 +340,7 @@ class Engine:
             progress=on_progress is not None, constraint=constraint,
             logits_processors=logits_processors, cache_prompt=cache_prompt,
             protected=protected, warnings=warnings, boundaries=boundaries,
+            keep_given=keep is not None or self._keep_given,
         )
 
     @staticmethod

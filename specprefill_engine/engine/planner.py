@@ -61,11 +61,28 @@ def find_dense(state: RequestState, target: Optional[PrefixCache]) -> Optional[H
     return target.find(state.tokens, dense_only=True) if target is not None else None
 
 
+def not_vouched(state: RequestState, runtime: Runtime) -> str:
+    """Why the automatic policy must not engage the draft ("" when it may): its draft
+    check (`vouch.py`) says it is not vouched for at the request's keep. The probe runs
+    here, on the first prompt that would engage, if it never ran for this pair. A keep
+    the caller gave is theirs: SpecPrefill runs, with a warning."""
+    check = runtime.vouch
+    if check is None:
+        return ""
+    if state.keep_given:
+        check.warn_given(state.keep)
+        return ""
+    if check.pending:
+        check.run(runtime.model, runtime.scorer.model, runtime.tokenizer)
+    verdict = check.verdict(state.keep)
+    return "" if verdict.vouched is not False else f"policy: draft not vouched for: {verdict.reason}"
+
+
 def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches,
            dense_hit: Optional[Hit]) -> tuple[bool, str]:
     """The request's choice, unless too little is left after `dense_hit`, a cached
     prefix; else the automatic policy: the threshold as a floor, then engage only where
-    the predicted gain beats the margin."""
+    the predicted gain beats the margin and the draft is vouched for (`not_vouched`)."""
     if state.specprefill is False:
         return False, "disabled for this request"
     if runtime.scorer is None:
@@ -79,6 +96,8 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches,
                        f"prefix of {dense_hit.cut}: too few to sparsify (< {floor}); "
                        "dense, not scored")
     if state.specprefill:
+        if runtime.vouch is not None:
+            runtime.vouch.warn_given(state.keep)
         return True, "requested"
     if length < state.threshold:
         return False, f"prompt below threshold ({length} < {state.threshold} tokens)"
@@ -90,11 +109,17 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches,
     state.report.predicted_specprefill_s = prediction.specprefill_s
     costs = runtime.costs
     if prediction.pays(config.specprefill_margin):
+        declined = not_vouched(state, runtime)
+        if declined:
+            return False, declined
         costs.recheck.engaged()
         return True, f"policy: {prediction.describe()}"
     shapes = shapes_gain(costs, length, dense_hit.cut if dense_hit else 0,
                          draft_hit.cut if draft_hit else 0, kept)
     if shapes >= RECHECK_GAIN and costs.recheck.due():  # a wrong fit must not lock itself in
+        declined = not_vouched(state, runtime)
+        if declined:
+            return False, declined
         return True, (f"policy: re-check: {prediction.describe()}, but the shapes alone "
                       f"predict {shapes:.2f}x")
     return False, f"policy: {prediction.describe()} (< {1 + config.specprefill_margin:.2f}x)"

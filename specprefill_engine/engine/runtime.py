@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .._blas import blas_status
 from ..core import DraftScorer, Scorer
 from ..core.scoring import default_draft_step_size
-from ..loading import ModelLoadError, check_same_tokenizer, load_model
+from ..loading import DEMO_DRAFT, DEMO_TARGET, ModelLoadError, check_same_tokenizer, load_model
 from .batch import batching_support
 from .chat import DEFAULT_RECENT_CAP, DEFAULT_SYSTEM_CAP
 from .disk_cache import model_identity
@@ -22,6 +22,7 @@ from .distributed import Channel, agree
 from .plan import TurnPlan
 from .prefix_cache import checkpointed
 from .policy import CostModel, cost_model
+from .vouch import DraftCheck, DraftVerdict
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,9 @@ class EngineConfig:
     system_message_cap: int = DEFAULT_SYSTEM_CAP  # a longer system message: its ends kept
     rank_timeout: float = 60.0  # seconds a turn may take before rank 0 declares a rank lost
     densify: str = "idle"  # "idle": compute a SpecPrefill turn's dense KV while idle; "off"
+    # the probe of whether the draft finds what the target would (`vouch.py`): "lazy" on the
+    # first prompt the automatic policy would engage on, "load" as the engine starts, "off"
+    draft_check: str = "lazy"
 
     def __post_init__(self):
         check_keep(self.keep)
@@ -93,6 +97,9 @@ class EngineConfig:
             raise ValueError(f"system_message_cap must be an integer >= 0, got {cap!r}")
         if self.densify not in ("idle", "off"):
             raise ValueError(f"densify must be 'idle' or 'off', got {self.densify!r}")
+        if self.draft_check not in ("lazy", "load", "off"):
+            raise ValueError(f"draft_check must be 'lazy', 'load' or 'off', got "
+                             f"{self.draft_check!r}")
         if not (isinstance(self.rank_timeout, (int, float)) and self.rank_timeout > 0):
             raise ValueError(f"rank_timeout must be a number of seconds > 0, got "
                              f"{self.rank_timeout!r}")
@@ -129,6 +136,7 @@ class Runtime:
     group: object = None  # the distributed group of a sharded target; None on one machine
     channel: Optional[Channel] = None  # rank 0's plan broadcast to the other ranks
     identities: tuple = ("", "")  # target's and draft's `model_identity`; "": no disk tier
+    vouch: Optional[DraftCheck] = None  # what the engine knows of its draft; None: no draft
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,7 @@ class EngineInfo:
     step_size: int
     vocab_size: int
     ranks: int = 1  # processes the target is sharded over
+    draft: Optional[DraftVerdict] = None  # the draft check's verdict now; None: no draft
 
 
 def context_length_of(model: nn.Module) -> Optional[int]:
@@ -174,19 +183,61 @@ def kv_bytes_per_token(model: nn.Module) -> int:
     return total
 
 
+def dtype_of(model: nn.Module) -> str:
+    """The dtype the model's floating weights run in."""
+    return next((str(v.dtype) for _, v in tree_flatten(model.parameters())
+                 if mx.issubdtype(v.dtype, mx.floating)), "")
+
+
 def identity_of(path: Optional[str], model: Optional[nn.Module]) -> str:
     """The model's `model_identity` for its disk tier, "" when there is none to give
     (no model, or a hub id whose files are not found locally)."""
     if path is None or model is None:
         return ""
-    dtype = next((str(v.dtype) for _, v in tree_flatten(model.parameters())
-                  if mx.issubdtype(v.dtype, mx.floating)), "")
+    dtype = dtype_of(model)
     try:
         return model_identity(path, dtype)
     except (OSError, ValueError, ImportError) as error:
         logger.warning("no prefix cache on disk for %s: its files are not found (%r)", path,
                        error)
         return ""
+
+
+DEMO_VERDICT = DraftVerdict(None, "not checked: the bundled demo pair, trained together "
+                                  "(its probe's measurement: docs/how-it-works.md, 'The draft "
+                                  "check')")
+
+
+def _pair_identity(path: str, model: nn.Module) -> str:
+    """`model_identity`, else (a hub id whose files are not found locally) its name."""
+    try:
+        return model_identity(path, dtype_of(model))
+    except (OSError, ValueError, ImportError):
+        return f"{path}:{dtype_of(model)}"
+
+
+def draft_check(model_path: str, draft_path: str, model: nn.Module, draft: nn.Module,
+                config: EngineConfig, sharded: bool) -> DraftCheck:
+    """What the engine knows of its draft before any probe: a verdict that needs none
+    (the draft is the target; the bundled demo pair; the check turned off; a sharded
+    target, whose forward needs every rank), else the probe's saved measurement, if any."""
+    settings = dict(n_lookahead=config.n_lookahead, pool_kernel=config.pool_kernel,
+                    chunk_size=config.chunk_size, tail_tokens=config.tail_tokens,
+                    backbone_pct=config.backbone_pct)
+    fixed = None
+    if model_path == draft_path:
+        fixed = DraftVerdict(True, "the draft is the target")
+    elif (model_path, draft_path) == (str(DEMO_TARGET), str(DEMO_DRAFT)):
+        fixed = DEMO_VERDICT
+    elif config.draft_check == "off":
+        fixed = DraftVerdict(None, "not checked (draft_check='off')")
+    elif sharded:
+        fixed = DraftVerdict(None, "not checked: the target is sharded (the probe would run "
+                                   "it on rank 0 alone)")
+    key = {} if fixed is not None else {"target": _pair_identity(model_path, model),
+                                        "draft": _pair_identity(draft_path, draft),
+                                        "settings": settings}
+    return DraftCheck(key, settings, config.keep, fixed, (draft_path, model_path))
 
 
 def load_target(model_path: str, dtype, group) -> tuple:
@@ -234,10 +285,15 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
             channel.post(TurnPlan(shutdown=True))  # the other ranks wait for plans: release them
         raise
     costs = cost_model(model, draft, (model_path, draft_path, dtype, group.size() if group else 1))
+    vouch = None
+    if draft is not None:
+        vouch = draft_check(model_path, draft_path, model, draft, config, group is not None)
+        if config.draft_check == "load" and vouch.pending:
+            vouch.run(model, draft, tokenizer)
     identities = ("", "")
     if config.prefix_cache_disk_bytes and group is None:  # a shard's KV is its rank's alone
         identities = (identity_of(model_path, model), identity_of(draft_path, draft))
     return Runtime(model, tokenizer, scorer, config, context_length_of(model), batch_reason,
                    kv_bytes, vocab_size_of(model, tokenizer), costs,
                    checkpointed=checkpointed(model), group=group,
-                   channel=channel, identities=identities)
+                   channel=channel, identities=identities, vouch=vouch)

@@ -72,6 +72,7 @@ class RequestState:
     protected: Optional[np.ndarray] = None  # tokens SpecPrefill must keep (chat segments)
     warnings: list = field(default_factory=list)
     boundaries: tuple = ()  # where chat messages (and the generation prompt) start
+    keep_given: bool = False  # the caller set keep (the request or the engine): no draft check
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 

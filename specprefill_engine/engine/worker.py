@@ -124,6 +124,7 @@ class Worker:
         self._replacing: dict = {}  # handle of a sparse turn stored this plan -> its job
         self.densify_stats = densify.DensifyStats()
         self.disk_stats: Optional[DiskStats] = None  # the disk tier's, when it has one
+        self.draft_check = None  # the runtime's `DraftCheck` (it holds no model), once loaded
         self._reserved = 0
         self.runtime: Optional[Runtime] = None
         self.executor: Optional[Executor] = None
@@ -177,6 +178,7 @@ class Worker:
             mx.clear_streams()
             return
         self.runtime = runtime  # for inspection only: never used off this thread
+        self.draft_check = runtime.vouch
         disk = make_disk_cache(runtime)
         self.disk_stats = disk.stats if disk is not None else None
         caches = make_prefix_caches(runtime, disk)

@@ -1,0 +1,256 @@
+"""Whether the draft is good enough for its target: a short retrieval probe.
+
+A draft too weak for a task ranks the answer's tokens low, and the selection drops them:
+the target then answers from a prompt without its answer, and nothing says so. The
+probe asks what the selection depends on, in the target's own vocabulary: `QUESTIONS`
+questions over one generated Python file of about `LENGTH` tokens (`code_tasks`: which
+constant a named function adds, among similar functions each adding one; the value of a
+named module constant, among others). Each question is scored twice, by the draft and by
+the target as its own draft, and each scoring gives the least keep at which the engine's
+selection holds the answer's tokens (`needed_keep`).
+
+The measure: of the questions whose answer the target's own selection holds, the share
+the draft's selection holds too, both at `MARGIN` of the engine's keep. It is the
+selection's own outcome (chunks, the protected head and tail, the budget), not a proxy
+such as a correlation of importances, and it is relative: it asks whether the draft sees
+what the target itself would, so a question the target's own attention misses counts
+against neither. The margin: the probe's file holds a fraction of the distractors of the
+prompts the policy engages on, and a draft that finds the answer by its content keeps
+its rank as they grow while one that does not falls with them (on code questions
+Qwen2.5-Coder-1.5B as its own draft ranks the answer 0-10 of 334 tokens, 2-44 of 1,006,
+8-21 of 1,650; its 0.5B 14-65, 26-294, 160-770: docs/how-it-works.md, "The draft
+check"), so the short probe asks for the answer at half the keep. The draft is vouched for where that share is at least `HELD_SHARE`;
+where the target's own selection holds fewer than `CONCLUSIVE` answers the probe cannot
+tell (no verdict: the policy goes on as without a check).
+
+The questions share their file, so each model prefills it once and then only each
+question. The measurement is persisted per (target, draft, scoring and selection
+settings) in `cache_dir()/draft-checks`, keyed by both models' identity (their files and
+dtype, `disk_cache.model_identity`), versioned; a file that cannot be read, of another
+version or key, or holding implausible values is ignored (and measured anew) with a log
+line.
+"""
+
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+from ..code_tasks import make_case
+from ..core import run_steps, score_steps, select_chunks
+from ..loading import cache_dir
+
+logger = logging.getLogger(__name__)
+VERSION = 1  # of the probe and its file
+FOLDER = "draft-checks"
+PROBE = (("code_return", 4), ("code_const", 4))  # (kind, questions), over one file
+LENGTH, SEED = 768, 0
+QUESTIONS = sum(count for _, count in PROBE)
+HELD_SHARE = 0.75  # of the answers the target's own selection holds, the draft's must hold
+CONCLUSIVE = 3  # answers the target's own selection must hold for a verdict
+MARGIN = 0.5  # the share of the engine's keep the probe judges at
+KEEPS = np.round(np.arange(1, 101) / 100, 2)  # the keeps `needed_keep` tries
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the probe measured: per question, the least keep at which each scoring's
+    selection holds the answer (1.0: only the whole prompt), and its seconds."""
+
+    target: tuple
+    draft: tuple
+    target_s: float = 0.0
+    draft_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class DraftVerdict:
+    """Whether the automatic policy may engage the draft: True (vouched for), False (not:
+    the policy prefills densely), None (no verdict: the policy goes on as without a
+    check); `reason` says why, with the probe's numbers when it ran."""
+
+    vouched: Optional[bool]
+    reason: str
+    probe: Optional[Probe] = None
+
+
+def needed_keep(importance, spans, must_keep=None, **selection) -> float:
+    """The least keep (in steps of 0.01) whose selection (`select_chunks` with
+    `selection`'s settings) holds every token of the (start, end) `spans`."""
+    values = np.asarray(importance, dtype=np.float32)
+    wanted = np.concatenate([np.arange(a, b) for a, b in spans])
+    for keep in KEEPS:
+        kept = np.asarray(select_chunks(values, float(keep), must_keep=must_keep, **selection))
+        if np.isin(wanted, kept).all():
+            return float(keep)
+    return 1.0
+
+
+def measure(target, draft, tokenizer, n_lookahead: int = 1, pool_kernel: int = 13,
+            **selection) -> Probe:
+    """Score the probe's questions with both models; `selection`: `select_chunks`'
+    chunk_size, tail_tokens and backbone_pct as the engine selects."""
+    cases = [make_case(tokenizer, kind, LENGTH, SEED, ask)
+             for kind, count in PROBE for ask in range(count)]
+    shared = len(os.path.commonprefix([case.ids for case in cases]))
+    found, seconds = {}, {}
+    for which, model in (("target", target), ("draft", draft)):
+        started, keeps, cache = time.perf_counter(), [], make_prompt_cache(model)
+        for case in cases:
+            if not can_trim_prompt_cache(cache):  # continued, not cut back: a fresh one
+                cache = make_prompt_cache(model)
+            # one chunk of the shared file, then the question: a later question's scoring
+            # cuts the cache back to the file and feeds only its own question
+            importance = run_steps(score_steps(model, case.ids, n_lookahead, pool_kernel,
+                                               step_size=shared, cache=cache))
+            protected = np.arange(len(case.ids)) < case.head
+            keeps.append(needed_keep(np.array(importance), case.answer_spans, protected,
+                                     **selection))
+        del cache
+        found[which], seconds[which] = tuple(keeps), time.perf_counter() - started
+    mx.clear_cache()
+    return Probe(found["target"], found["draft"], round(seconds["target"], 3),
+                 round(seconds["draft"], 3))
+
+
+def judge(probe: Probe, keep: float) -> DraftVerdict:
+    """The verdict for the engine's `keep`, judged at `MARGIN` of it (the module
+    docstring says why)."""
+    at = round(keep * MARGIN, 2)
+    target = [t <= at for t in probe.target]
+    both = sum(t and d <= at for t, d in zip(target, probe.draft))
+    held, count = sum(target), len(target)
+    numbers = (f"the least keep holding it, median of {count}: draft "
+               f"{statistics.median(probe.draft):.2f}, target {statistics.median(probe.target):.2f}")
+    if held < CONCLUSIVE:
+        return DraftVerdict(None, f"the probe cannot tell: at keep {at} (of the engine's {keep}) "
+                                  f"the target's own selection holds the answer in {held} of "
+                                  f"{count} questions; {numbers}", probe)
+    vouched = both >= HELD_SHARE * held
+    return DraftVerdict(vouched, f"at keep {at} (of the engine's {keep}) the draft's selection "
+                                 f"holds the answer in {both} of the {held} probe questions the "
+                                 f"target's own holds ({'at least' if vouched else 'below'} "
+                                 f"{HELD_SHARE:.0%}); {numbers}", probe)
+
+
+def _plausible(saved, key: dict) -> Optional[Probe]:
+    """The saved probe, if it is one this key's probe could have measured."""
+    if not isinstance(saved, dict) or saved.get("key") != key:
+        return None
+    probe = saved.get("probe")
+    if not isinstance(probe, dict):
+        return None
+    keeps = [probe.get("target"), probe.get("draft")]
+    if not all(isinstance(k, list) and len(k) == QUESTIONS and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1
+            for v in k) for k in keeps):
+        return None
+    times = [probe.get("target_s"), probe.get("draft_s")]
+    if not all(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 for t in times):
+        return None
+    return Probe(tuple(keeps[0]), tuple(keeps[1]), *times)
+
+
+class DraftCheck:
+    """One engine's knowledge of its draft, on the worker: a `fixed` verdict that needs
+    no probe, or the probe's measurement once loaded or measured (until then there is no
+    verdict). `settings`: `measure`'s, as the engine scores and selects; `keep`: the
+    engine's, the one its warning speaks of. Holds no model: `run` is given them."""
+
+    def __init__(self, key: dict, settings: dict, keep: float,
+                 fixed: Optional[DraftVerdict] = None, names: tuple = ("", "")):
+        self.key, self.settings, self.keep, self.fixed, self.names = key, settings, keep, fixed, names
+        self.probe, self.failed, self.warned = None, "", False
+        name = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = cache_dir() / FOLDER / f"{name}.json"
+        if fixed is None:
+            self.probe = self.load()
+            if self.probe is not None:
+                self._announce()
+
+    @property
+    def pending(self) -> bool:
+        """The probe has yet to run."""
+        return self.fixed is None and self.probe is None and not self.failed
+
+    def verdict(self, keep: float) -> DraftVerdict:
+        if self.fixed is not None:
+            return self.fixed
+        if self.failed:
+            return DraftVerdict(None, f"the probe failed: {self.failed}")
+        if self.probe is None:
+            return DraftVerdict(None, "not probed yet: the probe runs on the first prompt "
+                                      "the automatic policy would engage on")
+        return judge(self.probe, keep)
+
+    def run(self, target, draft, tokenizer) -> None:
+        """Measure (on the worker), persist, and say what it found; a failure leaves no
+        verdict, said once."""
+        try:
+            self.probe = measure(target, draft, tokenizer, **self.settings)
+        except Exception as error:
+            self.failed = repr(error)
+            logger.warning("the draft check could not run: %r; no verdict", error)
+            return
+        logger.info("draft check of %s for %s: %s (target %.2f s, draft %.2f s)", *self.names,
+                    self.verdict(self.keep).reason, self.probe.target_s, self.probe.draft_s)
+        self.save()
+        self._announce()
+
+    def _announce(self) -> None:
+        verdict = self.verdict(self.keep)
+        if verdict.vouched is False:
+            logger.warning("the draft %s is not vouched for the target %s: %s. The automatic "
+                           "policy prefills densely; a keep given or specprefill=True still "
+                           "runs SpecPrefill", *self.names, verdict.reason)
+
+    def warn_given(self, keep: float) -> None:
+        """A request's own keep runs SpecPrefill whatever the verdict: said once."""
+        verdict = self.verdict(keep)
+        if verdict.vouched is False and not self.warned:
+            self.warned = True
+            logger.warning("SpecPrefill runs as asked (keep %s) with a draft not vouched for: "
+                           "%s", keep, verdict.reason)
+
+    def load(self) -> Optional[Probe]:
+        try:
+            saved = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as error:
+            logger.warning("ignoring an unreadable draft check in %s: %r", self.path, error)
+            return None
+        if not isinstance(saved, dict) or saved.get("version") != VERSION:
+            version = saved.get("version") if isinstance(saved, dict) else None
+            logger.warning("ignoring the draft check in %s: version %r, not %d", self.path,
+                           version, VERSION)
+            return None
+        probe = _plausible(saved, self.key)
+        if probe is None:
+            logger.warning("ignoring the draft check in %s: not this pair's, or implausible "
+                           "values", self.path)
+        return probe
+
+    def save(self) -> None:
+        saved = {"version": VERSION, "key": self.key, "measured_at": time.time(),
+                 "probe": {"target": list(self.probe.target), "draft": list(self.probe.draft),
+                           "target_s": self.probe.target_s, "draft_s": self.probe.draft_s}}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp",
+                                             delete=False) as file:
+                file.write(json.dumps(saved))
+            os.replace(file.name, self.path)  # never a half-written file for another process
+        except OSError as error:
+            logger.info("could not save the draft check to %s: %r", self.path, error)
