@@ -77,18 +77,20 @@ def mlx_lm_turn(model, tokenizer, store, tokens: list, args) -> dict:
               cache=cache)
         mx.eval([c.state for c in cache])
     store.insert_cache("model", tokens[:-1], copy.deepcopy(cache), cache_type="user")
-    fed, ttft = [], None
+    fed, ttft, stopped = [], None, False
     for token, _ in generate_step(mx.array(rest[-1:]), model, max_tokens=args.reply_tokens,
                                   prompt_cache=cache):
         ttft = ttft or time.perf_counter() - started
         fed.append(int(token))
         if token in tokenizer.eos_token_ids and not args.ignore_eos:
+            stopped = True
             break
     wall = time.perf_counter() - started
     store.insert_cache("model", (tokens + fed)[: _fed(cache)], cache)
     reply = tokenizer.decode([t for t in fed if t not in tokenizer.eos_token_ids])
     return {"prompt_tokens": len(tokens), "ttft": ttft, "wall": wall,
-            "decode": wall - ttft, "reply_tokens": len(fed), "draft_tokens": 0,
+            "decode": wall - ttft, "reply_tokens": len(fed) - stopped,  # as the engine counts
+            "draft_tokens": 0,
             "draft_cached": 0, "target_tokens": len(tokens) - cached,
             "target_cached": cached, "reply": reply, "reuse": ""}
 
