@@ -92,6 +92,7 @@ WORDS = ("tariff margin parcel rebate quota beacon cargo depot freight harbor in
          "crate drum flange girder hopper lintel mortar pylon rivet spindle truss").split()
 # a call written as a fenced JSON block (or bare JSON) instead of the template's markup
 FENCED = re.compile(r'```(?:json)?\s*\{\s*"name"\s*:|^\s*\{\s*"name"\s*:', re.MULTILINE)
+FENCED_NAME = re.compile(r'"name"\s*:\s*"([^"]*)"')
 
 
 @dataclass
@@ -198,7 +199,9 @@ def agent_loop(ask, tokenizer, task: Task, args, limits) -> tuple:
         counts["valid"] += len(calls)
         counts["invalid"] += len(invalid)
         counts["fenced"] += fenced
+        named = FENCED_NAME.search(content) if fenced else None
         row.update(turn=turn + 1, calls=[{"name": c["name"], "args": c["args"]} for c in calls],
+                   fenced_call=named.group(1) if named else None,
                    invalid=[c["error"] for c in invalid],
                    coverage=_coverage(row["reuse"]),
                    action="fenced call (not recovered)" if fenced else
@@ -342,6 +345,8 @@ def tables(result: dict) -> str:
     for row in result["turns"]:
         calls = ", ".join(f"{c['name']}({', '.join(map(str, c['args'].values()))})"
                           for c in row["calls"]) or "; ".join(row["invalid"])[:60]
+        if row.get("fenced_call"):
+            calls = f"fenced: {row['fenced_call']}"
         reuse = (row["reuse"] or "-").replace("|", "/")[:70]
         coverage = "-" if row["coverage"] is None else f"{row['coverage']:.2f}"
         lines.append(f"| {row['task']} | {row['method']} | {row['turn']} | {row['prompt_tokens']} "
