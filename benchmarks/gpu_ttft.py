@@ -14,9 +14,12 @@ an 8B target), bfloat16. Every row of a length is measured side by side in one r
   prefill ran (its prediction from the models' shapes), next to the measured gain;
 - vllm-mlx 0.6.0 on the same prompts and keeps (`--peer-site`).
 
-Random weights make the selection meaningless but the timing real. `--json` keeps rows.
+Random weights make the selection meaningless but the timing real; `--target-path` and
+`--draft-path` time real model folders instead (the Qwen2.5-Coder pair at 4 bits, say).
+`--json` keeps rows.
 
     python benchmarks/gpu_ttft.py --lengths 8192 32768 65536 --keeps 0.1 0.3 --peer-site SITE
+    python benchmarks/gpu_ttft.py --target-path 1.5B --draft-path 0.5B --lengths 8192 16384 32768
 """
 
 import argparse
@@ -60,6 +63,14 @@ def build(shape: str, vocab: int):
                            tie_word_embeddings=False, **{"head_dim": 128, **SHAPES[shape]})
     model = qwen3.Model(args)
     model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    return model
+
+
+def load_folder(path: str):
+    from mlx_lm import load
+
+    model, _ = load(path)
     mx.eval(model.parameters())
     return model
 
@@ -124,6 +135,8 @@ def main(argv=None) -> int:
     parser.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.3])
     parser.add_argument("--target", default="qwen3-8b", choices=sorted(SHAPES))
     parser.add_argument("--draft", default="qwen3-0.6b", choices=sorted(SHAPES))
+    parser.add_argument("--target-path", help="a model folder instead of --target's random shape")
+    parser.add_argument("--draft-path", help="a model folder instead of --draft's random shape")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--lookahead", type=int, default=1, help="score_tokens n_lookahead")
     parser.add_argument("--window", type=int, default=1, help="score_tokens n_window")
@@ -136,10 +149,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     logging.getLogger("specprefill_engine.core.positions").setLevel(logging.ERROR)
-    print(f"device {mx.default_device()}, mlx {mx.__version__}, target {args.target}, "
-          f"draft {args.draft}, scoring: n_lookahead {args.lookahead}, n_window {args.window}, "
+    print(f"device {mx.default_device()}, mlx {mx.__version__}, "
+          f"target {args.target_path or args.target}, draft {args.draft_path or args.draft}, scoring: n_lookahead {args.lookahead}, n_window {args.window}, "
           f"draft chunks {args.draft_step}; medians of {args.runs} after a warm-up", flush=True)
-    target, draft = build(args.target, args.vocab), build(args.draft, args.vocab)
+    target = load_folder(args.target_path) if args.target_path else build(args.target, args.vocab)
+    draft = load_folder(args.draft_path) if args.draft_path else build(args.draft, args.vocab)
     rows = []
     choices = policy_choices(target, draft, args.lengths, args.keeps)
 

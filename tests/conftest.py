@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 import tempfile
@@ -6,6 +7,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# a folder of real weights converted earlier (SPECPREFILL_TEST_MODELS, read only):
+# converting the 1.5B model again takes minutes; without it they convert into the
+# session's own cache directory
+TEST_MODELS = os.environ.get("SPECPREFILL_TEST_MODELS")
 # what the engine keeps across processes (the policy's observed costs) starts empty here,
 # so no test depends on what an earlier run measured
 os.environ["SPECPREFILL_CACHE_DIR"] = tempfile.mkdtemp(prefix="specprefill-tests-")
@@ -27,3 +32,26 @@ def fresh_cache_dir(tmp_path, monkeypatch):
     """A cache folder of this test's own (what the engine keeps across processes)."""
     monkeypatch.setenv("SPECPREFILL_CACHE_DIR", str(tmp_path))
     return tmp_path
+
+
+def convert_real(name: str) -> Path:
+    """`gguf.convert(name)`: a real model's folder, taken from SPECPREFILL_TEST_MODELS when
+    converted there, else converted into the session's cache directory; skips when the
+    `real` extra or the model's packages are missing."""
+    from specprefill_engine import gguf
+
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("the `real` extra (the gguf package) is not installed")
+    if name in gguf.MODELS and TEST_MODELS:
+        folder = Path(TEST_MODELS) / gguf.MODELS[name].folder
+        if (folder / "model.safetensors").is_file():
+            return folder
+    try:
+        return gguf.convert(name)
+    except gguf.MissingPackageError as error:
+        pytest.skip(f"{name}: {error}")
+
+
+@pytest.fixture
+def converted():
+    return convert_real

@@ -6,11 +6,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from decoding import constrained_decode
+from decoding import allowed_tokens, constrained_decode, tool_call_lark
 from specprefill_engine import Engine
-from specprefill_engine.engine import constrained
 from specprefill_engine.engine.constrained import (
-    allowed_tokens, check_response_format, llg_tokenizer, make_constraint,
+    check_response_format, llg_tokenizer, make_constraint,
 )
 from specprefill_engine.engine.tool_calls import ToolsNotSupportedError
 
@@ -152,7 +151,7 @@ def test_padded_vocabulary_and_rows_are_independent(target):
 
 
 def test_integer_arguments_are_bounded_and_objects_closed():
-    grammar = constrained.tool_call_lark(check_response_format(
+    grammar = tool_call_lark(check_response_format(
         {"type": "tool_call", "tools": TOOLS, "tool_choice": "required"}))
     assert '"maximum": 9007199254740991' in grammar and '"additionalProperties": false' in grammar
 

@@ -21,10 +21,11 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import BaseModel, Field
 
+from decoding import split_tool_calls
 from langchain_specprefill import ChatSpecPrefill
 from langchain_specprefill.chat_model import ToolsNotSupportedError, shared_engine
 from langchain_specprefill.messages import UnsupportedContentError
-from specprefill_engine.engine.tool_calls import OutputParser, split_tool_calls
+from specprefill_engine.engine.tool_calls import OutputParser
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.loading import DEMO_TARGET
 

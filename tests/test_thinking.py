@@ -16,10 +16,10 @@ from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
 from chat_templates import THINKING_TEMPLATE, demo_variant
-from decoding import constrained_decode
+from decoding import allowed_tokens, constrained_decode
 from langchain_specprefill import ChatSpecPrefill
 from specprefill_engine import Engine
-from specprefill_engine.engine.constrained import allowed_tokens, make_constraint
+from specprefill_engine.engine.constrained import make_constraint
 from specprefill_engine.loading import load_model
 
 agents = pytest.importorskip("langchain.agents")

@@ -97,17 +97,18 @@ class ChatSpecPrefill(BaseChatModel):
     dtype: Optional[Literal["auto", "float32", "bfloat16", "float16"]] = "auto"
     """Weights dtype: "auto" (float32 on the CPU, stored dtype on a GPU), None (stored),
     or a name (an `mx` dtype is taken by its name)."""
-    keep: float = 0.3
-    """Fraction of prompt tokens SpecPrefill keeps (per request)."""
-    threshold: int = 1024
-    """SpecPrefill engages for prompts of at least this many new tokens (per request)."""
+    keep: Optional[float] = None
+    """Fraction of prompt tokens SpecPrefill keeps (per request; None: the engine's)."""
+    threshold: Optional[int] = None
+    """SpecPrefill may engage from this many new prompt tokens (None: the engine's)."""
     specprefill: Optional[bool] = None
-    """None: by threshold; True / False: always / never."""
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    """None: the engine's automatic policy; True / False: always / never."""
+    max_tokens: Optional[int] = None
+    """None: the engine's default (`SamplingParams`); likewise the sampling fields below."""
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     seed: Optional[int] = None
     stop: Optional[list[str]] = Field(default=None, alias="stop_sequences")
@@ -157,10 +158,14 @@ class ChatSpecPrefill(BaseChatModel):
     def _engine_rules(self) -> "ChatSpecPrefill":
         """The engine's own checks of the request settings, at construction rather than
         at the first call."""
-        EngineConfig(keep=self.keep, threshold=self.threshold)
-        SamplingParams(**{name: getattr(self, name) for name in SAMPLING_FIELDS},
-                       stop=tuple(self.stop or ()))
+        EngineConfig(**self._given(("keep", "threshold")))
+        SamplingParams(**self._given(SAMPLING_FIELDS), stop=tuple(self.stop or ()))
         return self
+
+    def _given(self, names, kwargs: Optional[dict] = None) -> dict:
+        """The settings a call or the model sets; None leaves the engine's default."""
+        values = {name: (kwargs or {}).get(name, getattr(self, name)) for name in names}
+        return {name: value for name, value in values.items() if value is not None}
 
     @property
     def _llm_type(self) -> str:
@@ -254,7 +259,7 @@ class ChatSpecPrefill(BaseChatModel):
                 "one engine holds one model pair; make another ChatSpecPrefill(model=...)")
         check_keywords("a ChatSpecPrefill call", kwargs, CALL_KWARGS)
         chat = to_chat_messages(messages)
-        options = {name: kwargs.get(name, getattr(self, name)) for name in REQUEST_FIELDS}
+        options = self._given(REQUEST_FIELDS, kwargs)
         stops = list(self.stop or []) + list(stop or []) + list(kwargs.get("stop") or [])
         if stops:
             options["stop"] = stops

@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse
 
-from .chat import (
+from .calls import (
     Call, Extensions, Loose, given_options, matched_stop, note_ignored, place_system_messages,
     prepare, renders_mid_system, report, warn_once,
 )

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from specprefill_engine import Engine
 
 from . import anthropic_api, openai_api, responses_api
-from .chat import IGNORED_HEADER
+from .calls import IGNORED_HEADER
 from .errors import APIError, classify, error_body
 from .streaming import ClientGone, Gate
 

@@ -29,9 +29,9 @@ from mlx_lm.sample_utils import make_logits_processors
 from pydantic import ConfigDict, Field
 from starlette.responses import JSONResponse
 
-from specprefill_engine.engine.sampling import MAX_LOGPROBS
+from specprefill_engine.engine.sampling import MAX_LOGPROBS, SamplingParams
 
-from .chat import Call, Extensions, Loose, given_options, note_ignored, prepare, read_events, report
+from .calls import Call, Extensions, Loose, given_options, note_ignored, prepare, read_events, report
 from .errors import APIError, openai_body
 from .streaming import EventStream, merged, output_events, whole_results
 
@@ -190,7 +190,8 @@ def engine_options(body: Common, info, max_tokens: Optional[int]) -> dict:
         options.update(max_tokens=info.context_length, clamp_max_tokens=True)
     if body.stop:
         options["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
-    processors = _processors(body, info.vocab_size, options.get("max_tokens", 256))
+    processors = _processors(body, info.vocab_size,
+                             options.get("max_tokens", SamplingParams.max_tokens))
     if processors:
         options["logits_processors"] = processors
     logprobs = logprobs_asked(body)

@@ -37,7 +37,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
-from .chat import Call, Extensions, Loose, note_ignored, report, warn_once
+from .calls import Call, Extensions, Loose, note_ignored, report, warn_once
 from .errors import APIError
 from .openai_api import (
     CalledFunction, ChatRequest, Function, Message, Tool, ToolCall, chat_call, response_format,

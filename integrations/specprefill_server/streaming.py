@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from specprefill_engine.engine.results import Result
 
-from .chat import Call
+from .calls import Call
 from .errors import APIError, classify, error_body
 
 logger = logging.getLogger(__name__)

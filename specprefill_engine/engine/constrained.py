@@ -575,14 +575,6 @@ def _tool_answer(grammar: _Grammar, normalized: dict, markers: _Markers) -> str:
     return call
 
 
-def tool_call_lark(normalized: dict, tokenizer=None) -> str:
-    """The Lark grammar of a normalized tool_call format (no reasoning part)."""
-    markers = _Markers(tokenizer)
-    grammar = _Grammar()
-    answer = _tool_answer(grammar, normalized, markers)
-    return "\n".join(["%llguidance {}", f"start: {answer}", *grammar.lines])
-
-
 def _reasoning(grammar: _Grammar, normalized: dict, markers: _Markers) -> Optional[str]:
     """The rule for the thinking before the answer, None when there is none."""
     mode = normalized.get("reasoning") or "none"
@@ -735,10 +727,3 @@ def make_constraint(tokenizer, response_format) -> Callable[[Any, Any], Any]:
     grammar = response_format.get("grammar") or grammar_for(response_format, tokenizer)
     return GrammarConstraint(tokenizer, grammar)
 
-
-def allowed_tokens(processor: GrammarConstraint) -> Optional[list]:
-    """Token ids the processor allows next (for tests and debugging)."""
-    np = processor._np
-    words = processor.mask_words().view(np.uint32)
-    bits = np.unpackbits(words.view(np.uint8), bitorder="little")
-    return np.nonzero(bits)[0].tolist()

@@ -12,6 +12,17 @@ Every entry point (invoke, stream, ...) runs the same parser, so they agree. A c
 that does not parse, names no bound tool, or is cut before its end marker is an
 invalid call whose `error` says why.
 
+Models also write calls without the markers: a fenced block (```json, ```tool_call or
+a bare ```) or bare JSON at the start of a line, holding one call, several, or a list
+of them, each `{"name": ..., "arguments": {...}}` (or `"parameters"`, the arguments as
+a JSON string, or OpenAI's `{"type": "function", "function": {...}}`). With tools
+given, such a block is read as its calls when every one names a given tool with
+arguments its parameters accept (`schema_problem`); otherwise, and always without
+tools, it is content, unchanged. From its opening fence or `{"` until that is known
+the block is held back; text that cannot open one is released as it comes. Nothing
+is recovered inside a code block of another kind (```python), a think block, or from
+the middle of a line.
+
 The tool-call format is the name of the tokenizer's mlx-lm parser module
 (`tool_format`), never guessed from the start marker: Hermes JSON, Qwen3-Coder XML
 and GLM 4.7 all open with `<tool_call>`. `check_tool_choice` and `tool_choice_format`
@@ -20,12 +31,22 @@ for every integration.
 """
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_FORMATS = ("json_tools", "qwen3_coder", "glm47")  # formats with a call grammar
+FENCE_WORDS = ("", "json", "tool_call", "tool_calls")  # fenced blocks that may hold calls
+_OPENER = re.compile(r"^[ \t]*(```|[{\[])", re.M)  # what may open a call without markers
+_FENCE = re.compile(r"^[ \t]*(```)", re.M)
+_PARTIAL_FENCE = re.compile(r"^[ \t]*(`{1,2})\Z", re.M)
+_WORD = re.compile(r"[A-Za-z_]*")
+_SPACE = re.compile(r"\s*")
+_STRUCTURE = re.compile(r'["{}\[\]]')  # what counts in JSON outside strings
+_IN_STRING = re.compile(r'["\\]')  # and inside them
+_CALL_KEYS = {"name", "arguments", "parameters", "id", "type"}
 
 
 class ToolsNotSupportedError(ValueError):
@@ -172,10 +193,17 @@ class OutputParser:
         self.state = "reasoning" if self.in_reasoning else "content"
         self.channels = {"content": _Channel(), "reasoning": _Channel(strip_start=True)}
         self.n_calls = 0
+        self.recover = self.parse_tools and any(isinstance(n, str) for n in self._names)
+        self.line_start = True  # the content so far ends at the start of a line
+        self.in_code = False  # inside a fenced block that holds no calls
+        self.scanned = None  # how far _json_end read the held text: (start, at, depth, in string)
 
     # events: ("content", text) | ("reasoning", text) | ("tool_call", ToolCallEvent)
 
     def _emit(self, kind: str, text: str, out: list) -> None:
+        if kind == "content" and text:
+            _, newline, line = text.rpartition("\n")
+            self.line_start = not line.strip(" \t") and (bool(newline) or self.line_start)
         text = self.channels[kind].feed(text)
         if text:
             out.append((kind, text))
@@ -225,14 +253,171 @@ class OutputParser:
                                                    reason, cut=bool(cut))))
             self.n_calls = index + 1
             return
+        self._calls(calls, out)
+
+    def _calls(self, calls: list, out: list) -> None:
         for name, arguments in calls:
             out.append(("tool_call", ToolCallEvent(self.n_calls, new_call_id(), name,
                                                    json.dumps(arguments, ensure_ascii=False))))
             self.n_calls += 1
 
+    # calls written without markers (see the module doc)
+
+    def _recovered(self, values: list) -> Optional[list]:
+        """[(name, arguments dict)] when every one of the JSON values is a call of a
+        given tool whose arguments match its parameters; None otherwise."""
+        items = [item for value in values
+                 for item in (value if isinstance(value, list) else [value])]
+        calls = []
+        for item in items:
+            if not isinstance(item, dict):
+                return None
+            if isinstance(item.get("function"), dict) and set(item) <= {"type", "function", "id"}:
+                item = item["function"]
+            if set(item) - _CALL_KEYS or item.get("type", "function") != "function" \
+                    or ("arguments" in item) == ("parameters" in item):
+                return None
+            name = item.get("name")
+            arguments = item.get("arguments", item.get("parameters"))
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    return None
+            if not isinstance(name, str) or name not in self._names \
+                    or not isinstance(arguments, dict) \
+                    or schema_problem(arguments, self._schemas.get(name)) is not None:
+                return None
+            calls.append((name, arguments))
+        return calls or None
+
+    def _json_end(self, text: str, start: int) -> Optional[int]:
+        """Where the JSON object or array at `text[start]` ends (by its brackets, outside
+        strings); None when the text ends first. Held text only grows, so a later look
+        at the same start goes on from where this one stopped."""
+        at, depth, in_string = start, 0, False
+        if self.scanned is not None and self.scanned[0] == start:
+            _, at, depth, in_string = self.scanned
+        while True:
+            match = (_IN_STRING if in_string else _STRUCTURE).search(text, at)
+            if match is None:
+                self.scanned = (start, len(text), depth, in_string)
+                return None
+            char, at = match.group(), match.end()
+            if in_string and char == "\\":
+                if at == len(text):  # the escaped character is still to come
+                    self.scanned = (start, at - 1, depth, True)
+                    return None
+                at += 1
+            elif char == '"':
+                in_string = not in_string
+            elif char in "{[":
+                depth += 1
+            else:
+                depth -= 1
+                if depth == 0:
+                    return at
+
+    def _opener(self) -> Optional[int]:
+        """Where the first fence or JSON opener at the start of a line is in `pending`
+        (in a code block only its closing fence counts)."""
+        pattern = _FENCE if self.in_code else _OPENER
+        for match in pattern.finditer(self.pending):
+            if match.start() > 0 or self.line_start:
+                return match.start(1)
+        return None
+
+    def _partial_fence(self) -> int:
+        """Length of the end of `pending` that may grow into a fence."""
+        match = _PARTIAL_FENCE.search(self.pending)
+        if match is None or (match.start() == 0 and not self.line_start):
+            return 0
+        return len(self.pending) - match.start(1)
+
+    def _candidate(self, text: str, final: bool) -> Optional[tuple]:
+        """How the text from an opener reads: None while unknown, else (n, calls, code):
+        the first n characters are the calls (a list) or, with calls None, text; `code`
+        says the text leaves a code block open. `final`: no more text comes."""
+        more = None if not final else (len(text), None, False)
+        if text.startswith("```"):
+            if self.in_code:
+                return 3, None, False
+            word = _WORD.match(text, 3).group()
+            i = 3 + len(word)
+            if i == len(text) and any(w.startswith(word.lower()) for w in FENCE_WORDS):
+                return more
+            if word.lower() not in FENCE_WORDS:
+                return i, None, True
+            i = _SPACE.match(text, i).end()
+            if i == len(text):
+                return more
+            if text[i] not in "{[":
+                return i, None, True
+            values = []
+            while True:
+                end = self._json_end(text, i)
+                if end is None:
+                    return more
+                try:
+                    values.append(json.loads(text[i:end]))
+                except ValueError:
+                    return end, None, True
+                i = _SPACE.match(text, end).end()
+                if text.startswith("```", i):
+                    i += 3
+                    break
+                if i < len(text) and text[i] in "{[":
+                    continue
+                if not "```".startswith(text[i:]):
+                    return i, None, True
+                if not final:
+                    return None
+                i = len(text)  # the output ended before the closing fence
+                break
+            return i, self._recovered(values), False
+        i = 0
+        for expected in ('[{"' if text[0] == "[" else '{"'):
+            i = _SPACE.match(text, i).end()
+            if i == len(text):
+                return more
+            if text[i] != expected:
+                return 1, None, False
+            i += 1
+        end = self._json_end(text, 0)
+        if end is None:
+            return more
+        try:
+            value = json.loads(text[:end])
+        except ValueError:
+            return end, None, False
+        return end, self._recovered([value]), False
+
+    def _take_candidate(self, out: list, final: bool) -> bool:
+        """Read the opener at the start of `pending`; False while it is unknown."""
+        read = self._candidate(self.pending, final)
+        if read is None:
+            return False
+        n, calls, code = read
+        text, self.pending = self.pending[:n], self.pending[n:]
+        self.scanned = None
+        if calls is None:
+            self._emit("content", text, out)
+            self.in_code = code
+            return True
+        self.channels["content"].cut()
+        self._calls(calls, out)
+        self.channels["content"].cut()
+        self.line_start = True
+        return True
+
     def feed(self, text: str) -> list:
         out: list = []
         self.pending += text
+        self._scan(out, final=False)
+        return out
+
+    def _scan(self, out: list, final: bool) -> None:
+        """Events of `pending`; what may still change meaning stays in it."""
         while self.pending:
             if self.state == "call":
                 end = self.pending.find(self.call_end) if self.call_end else -1
@@ -243,12 +428,21 @@ class OutputParser:
                 self._call(body, out)
                 self.state = "content"
                 self.channels["content"].cut()
+                self.line_start = True
                 continue
             if self.state == "reasoning":
                 markers = [self.think_end]
             else:
                 markers = [self.think_start] + ([self.call_start] if self.call_start else [])
             hits = [(self.pending.find(m), m) for m in markers if m in self.pending]
+            recover = self.recover and self.state == "content"
+            opener = self._opener() if recover else None
+            if opener is not None and (not hits or opener < min(hits)[0]):
+                self._emit("content", self.pending[:opener], out)
+                self.pending = self.pending[opener:]
+                if not self._take_candidate(out, final):
+                    break
+                continue
             if hits:
                 position, marker = min(hits)
                 self._emit(self.state, self.pending[:position], out)
@@ -257,21 +451,25 @@ class OutputParser:
                 if marker == self.think_end:
                     self.state = "content"
                     self.channels["content"].cut()
+                    self.line_start = True
                 elif marker == self.think_start:
                     self.state = "reasoning"
                 else:
                     self.state = "call"
                 continue
             keep = self._partial_suffix(self.pending, markers)
+            if recover:
+                keep = max(keep, self._partial_fence())
             safe, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
             self._emit(self.state, safe, out)
             break
-        return out
 
     def finish(self, finish_reason: Optional[str] = None) -> list:
         """End of output: what was held back. An unterminated call is parsed as is;
         when it does not parse, its error names `finish_reason` ("length": max_tokens)."""
         out: list = []
+        if self.state == "content":
+            self._scan(out, final=True)  # a held opener: calls or text, now
         rest, self.pending = self.pending, ""
         if self.state == "call":
             cut = ("max_tokens reached, finish_reason 'length'" if finish_reason == "length"
@@ -286,20 +484,3 @@ class OutputParser:
                     out.append((kind, tail))
         return out
 
-
-def split_tool_calls(text: str, tokenizer, tools: Optional[list] = None) -> tuple[str, list, list]:
-    """Whole-text form: (content without the calls, tool_calls, invalid_tool_calls)."""
-    parser = OutputParser(tokenizer, parse_tools=True, tools=tools)
-    content, calls, invalid = [], [], []
-    for kind, value in parser.feed(text) + parser.finish():
-        if kind == "content":
-            content.append(value)
-        elif kind == "reasoning":
-            content.append(f"{parser.think_start}{value}{parser.think_end}")
-        elif value.error is None:
-            calls.append({"name": value.name, "args": json.loads(value.args), "id": value.id,
-                          "type": "tool_call"})
-        else:
-            invalid.append({"name": value.name, "args": value.args, "id": value.id,
-                            "error": value.error, "type": "invalid_tool_call"})
-    return "".join(content).strip(), calls, invalid

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The Qwen2.5-Coder pair (1.5B target, 0.5B draft) on the GPU machine, which has no
+# network: both models quantized here to 4-bit MLX folders (1.3 GB), carried in parts of
+# 56 MiB, one per device call, next to MLX's CUDA build (../shared/gpu/README.md). A call
+# carries at most 64 MiB with the tree, so the demo weights leave the tree for those
+# calls (`git checkout -- specprefill_engine/assets` restores them).
+#
+# Here, in the project's root (`pip install -e ".[pair]"`, then
+# `python -m specprefill_engine.gguf qwen2.5-coder-1.5b qwen2.5-coder-0.5b`):
+#     bash benchmarks/pair_gpu.sh prepare        # .gpu/pair/p1 .. pN, git-ignored
+# There, one call per part:  mkdir -p /tmp/pairparts && cp .gpu/pair/pK/* /tmp/pairparts/
+# then, once MLX is installed (export PYTHONPATH=/tmp/site:$PWD):
+#     bash benchmarks/pair_gpu.sh install        # assemble, check, unpack to /tmp/pair
+#     bash benchmarks/pair_gpu.sh ttft           # TTFT at 8K / 16K / 32K -> $OUT
+#     bash benchmarks/pair_gpu.sh first          # a fresh engine's first requests at 16K
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PAIR=/tmp/pair
+case "${1:-}" in
+prepare)
+  python="${PYTHON:-.venv/bin/python}"
+  exclude="$(git rev-parse --git-path info/exclude)"
+  grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
+  rm -rf .gpu/pair && mkdir -p .gpu/pair
+  tmp="$(mktemp -d)"
+  for name in qwen2.5-coder-1.5b qwen2.5-coder-0.5b; do
+    folder="$("$python" -c "from specprefill_engine import gguf; print(gguf.convert('$name'))")"
+    "$python" -m mlx_lm convert --hf-path "$folder" --mlx-path "$tmp/$name" -q --q-bits 4 \
+      --q-group-size 64 >/dev/null
+  done
+  (cd "$tmp" && tar cf pair.tar qwen2.5-coder-1.5b qwen2.5-coder-0.5b \
+    && sha256sum pair.tar > pair.sha256 && split -b 56M pair.tar pair.part- && rm pair.tar)
+  i=0
+  for part in "$tmp"/pair.part-*; do i=$((i + 1)); mkdir -p ".gpu/pair/p$i"; mv "$part" ".gpu/pair/p$i/"; done
+  mv "$tmp/pair.sha256" ".gpu/pair/p$i/"
+  rm -rf "$tmp"
+  du -sh .gpu/pair/p* | tail -n 2
+  echo "$i parts: carry each .gpu/pair/pK in a call of its own: mkdir -p /tmp/pairparts && cp .gpu/pair/pK/* /tmp/pairparts/"
+  ;;
+install)
+  cd /tmp/pairparts
+  cat pair.part-* > pair.tar && sha256sum -c pair.sha256 && rm pair.part-*
+  mkdir -p "$PAIR" && tar xf pair.tar -C "$PAIR" && rm pair.tar
+  ls "$PAIR"
+  ;;
+ttft)
+  python3 benchmarks/gpu_ttft.py --target-path "$PAIR/qwen2.5-coder-1.5b" \
+    --draft-path "$PAIR/qwen2.5-coder-0.5b" --lengths 8192 16384 32768 --keeps 0.1 0.3 \
+    --json "${OUT:-/tmp}/pair-ttft-gpu.json"
+  ;;
+first)
+  python3 benchmarks/first_request.py --target "$PAIR/qwen2.5-coder-1.5b" \
+    --draft "$PAIR/qwen2.5-coder-0.5b" --lengths 16384 --json "${OUT:-/tmp}/pair-first-request-gpu.json"
+  ;;
+*)
+  echo "usage: $0 prepare|install|ttft|first" >&2
+  exit 2
+  ;;
+esac
