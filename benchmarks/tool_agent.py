@@ -7,12 +7,13 @@ of similar functions, `--tokens` tokens in all; one function holds the answer to
 task's question: "what constant does `compute_x` add?" or "which function calls
 `helper_y`?", asked after "Look in the repository with the tools." (no system prompt
 of ours: `--system`). grep shows matching lines only, so the answer needs a `read_file`.
-Each reply is parsed by the engine's own `OutputParser` (`split_tool_calls`) for every row,
+Each reply is parsed by the engine's own `OutputParser` (as its server and LangChain model) for every row,
 so the conversations are comparable: valid calls run (then `--tool-seconds` of sleep
 each, the tool's time), an invalid call gets its error back as a user message, a reply
-without a call ends the loop as the answer. A reply that writes its call as fenced JSON
-instead of the template's markup is counted as "fenced call (not recovered)" (the parser
-does not read it; it ends the loop as a wrong answer). At most `--turns` requests a loop,
+without a call ends the loop as the answer. A call written as fenced (or bare) JSON
+instead of the template's markup that the parser reads back anyway is counted as
+"recovered"; one it does not read is "fenced call (not recovered)" and ends the loop as
+a wrong answer. At most `--turns` requests a loop,
 replies up to `--reply-tokens`, greedy. Rows, each on a fresh engine (or mlx-lm model)
 per task, warmed up with one turn of another task (so every row starts with the system
 prompt and tools cached), the order rotating from task to task:
@@ -53,7 +54,7 @@ from mlx_lm.utils import load_tokenizer
 from specprefill_engine import Engine
 from specprefill_engine.engine.policy import shape_of
 from specprefill_engine.engine.runtime import default_step_size
-from specprefill_engine.engine.tool_calls import split_tool_calls
+from specprefill_engine.engine.tool_calls import OutputParser
 from specprefill_engine.loading import load_model
 
 import mac_projection
@@ -171,6 +172,20 @@ def _unit(word: str, callee: str, scale: int, constant: int, factor: int) -> str
             f"    return subtotal * {factor}\n")
 
 
+def read_reply(text: str, tokenizer) -> tuple:
+    """(content, calls, invalid calls) of a whole reply, read by the engine's parser."""
+    parser = OutputParser(tokenizer, parse_tools=True, tools=TOOLS)
+    content, calls, invalid = [], [], []
+    for kind, value in parser.feed(text) + parser.finish(None):
+        if kind != "tool_call":
+            content.append(value if kind == "content" else "")  # no think blocks here
+        elif value.error is None:
+            calls.append({"name": value.name, "args": json.loads(value.args)})
+        else:
+            invalid.append({"name": value.name, "error": value.error})
+    return "".join(content).strip(), calls, invalid
+
+
 def _as_mlx_lm_server(messages: list) -> list:
     """The history as mlx-lm's server hands it to the template: call arguments parsed."""
     out = []
@@ -189,22 +204,27 @@ def agent_loop(ask, tokenizer, task: Task, args, limits) -> tuple:
     run, invalid ones get their error back, a reply without a call is the answer."""
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": ASK + task.question})
-    turns, counts, answer = [], dict(calls=0, valid=0, invalid=0, fenced=0), None
+    turns, counts, answer = [], dict(calls=0, valid=0, invalid=0, fenced=0, recovered=0), None
     started = time.perf_counter()
     for turn in range(args.turns):
         row = ask(messages, limits)
-        content, calls, invalid = split_tool_calls(row["reply"], tokenizer, TOOLS)
+        content, calls, invalid = read_reply(row["reply"], tokenizer)
         fenced = not calls and not invalid and bool(FENCED.search(content))
+        # calls the parser read back from fenced or bare JSON, not the template's markup
+        recovered = bool(calls) and tokenizer.tool_call_start not in row["reply"] \
+            and bool(FENCED.search(row["reply"]))
         counts["calls"] += len(calls) + len(invalid) + fenced
         counts["valid"] += len(calls)
         counts["invalid"] += len(invalid)
         counts["fenced"] += fenced
+        counts["recovered"] += len(calls) if recovered else 0
         named = FENCED_NAME.search(content) if fenced else None
         row.update(turn=turn + 1, calls=[{"name": c["name"], "args": c["args"]} for c in calls],
                    fenced_call=named.group(1) if named else None,
                    invalid=[c["error"] for c in invalid],
                    coverage=_coverage(row["reuse"]),
                    action="fenced call (not recovered)" if fenced else
+                   "fenced call (recovered)" if recovered else
                    "tool calls" if calls or invalid else "answer")
         tool_started = time.perf_counter()
         if not calls and not invalid:
@@ -312,6 +332,7 @@ def summary(loops: list, methods: list) -> dict:
             "calls": calls, "valid": sum(loop["valid"] for loop in mine),
             "invalid": sum(loop["invalid"] for loop in mine),
             "fenced": sum(loop["fenced"] for loop in mine),
+            "recovered": sum(loop.get("recovered", 0) for loop in mine),
             "valid_rate": sum(loop["valid"] for loop in mine) / calls if calls else None,
             "right": sum(loop["right"] for loop in mine),
         }
@@ -328,16 +349,16 @@ def tables(result: dict) -> str:
     s, methods = result["summary"], list(result["summary"])
     ratio = lambda row, key: f"{row[key]:.2f}" if key in row else "-"  # noqa: E731
     lines = ["| method | loops | wall / loop s | / mlx-lm | / dense | turns | calls | valid "
-             "| fenced (not recovered) | right | final prompt tok | target tok | draft tok "
-             "| Mac projected s | projected / mlx-lm |",
-             "| --- |" + " --- |" * 14]
+             "| of them recovered | fenced (not recovered) | right | final prompt tok "
+             "| target tok | draft tok | Mac projected s | projected / mlx-lm |",
+             "| --- |" + " --- |" * 15]
     for name in methods:
         row = s[name]
         rate = "-" if row["valid_rate"] is None else f"{row['valid']}/{row['calls']}"
         lines.append(
             f"| {name} | {row['loops']} | {row['wall_s']:.1f} | {ratio(row, 'wall_s_to_mlx-lm')} "
             f"| {ratio(row, 'wall_s_to_dense')} | {row['turns']:.1f} | {row['calls']} | {rate} "
-            f"| {row['fenced']} | {row['right']}/{row['loops']} | {row['final_prompt_tokens']:.0f} "
+            f"| {row.get('recovered', 0)} | {row['fenced']} | {row['right']}/{row['loops']} | {row['final_prompt_tokens']:.0f} "
             f"| {row['target_tokens']:.0f} | {row['draft_tokens']:.0f} "
             f"| {row['mac_projected_s']:.2f} | {ratio(row, 'mac_projected_s_to_mlx-lm')} |")
     lines += ["", "| task | method | turn | prompt | draft | target | TTFT s | decode s "
