@@ -64,63 +64,76 @@ def _fed(cache: list) -> int:
     return next(c.offset for c in cache if isinstance(getattr(c, "offset", None), int))
 
 
-def mlx_lm_session(model, tokenizer, store, session, args) -> list:
-    """One session through mlx-lm: its prompt cache `store` kept as its server keeps it
+def mlx_lm_turn(model, tokenizer, store, tokens: list, args) -> dict:
+    """One request through mlx-lm, its prompt cache `store` kept as its server keeps it
     (the nearest cached prefix, trimmed where the cache can be; a copy at the prompt's
     end, the cache after the reply)."""
+    started = time.perf_counter()
+    cache, rest = store.fetch_nearest_cache("model", tokens)
+    cache = make_prompt_cache(model) if cache is None else cache
+    cached = len(tokens) - len(rest)
+    for start in range(0, len(rest) - 1, args.step_size):  # the prompt but its last token
+        model(mx.array(rest[start : min(start + args.step_size, len(rest) - 1)])[None],
+              cache=cache)
+        mx.eval([c.state for c in cache])
+    store.insert_cache("model", tokens[:-1], copy.deepcopy(cache), cache_type="user")
+    fed, ttft, stopped = [], None, False
+    for token, _ in generate_step(mx.array(rest[-1:]), model, max_tokens=args.reply_tokens,
+                                  prompt_cache=cache):
+        ttft = ttft or time.perf_counter() - started
+        fed.append(int(token))
+        if token in tokenizer.eos_token_ids and not args.ignore_eos:
+            stopped = True
+            break
+    wall = time.perf_counter() - started
+    store.insert_cache("model", (tokens + fed)[: _fed(cache)], cache)
+    reply = tokenizer.decode([t for t in fed if t not in tokenizer.eos_token_ids])
+    return {"prompt_tokens": len(tokens), "ttft": ttft, "wall": wall,
+            "decode": wall - ttft, "reply_tokens": len(fed) - stopped,  # as the engine counts
+            "draft_tokens": 0,
+            "draft_cached": 0, "target_tokens": len(tokens) - cached,
+            "target_cached": cached, "reply": reply, "reuse": ""}
+
+
+def mlx_lm_session(model, tokenizer, store, session, args) -> list:
+    """One session through mlx-lm (`mlx_lm_turn` per step)."""
     rows, replies = [], []
     for step in range(args.steps):
         messages = session.messages(step, replies)
         tokens = tokenizer.apply_chat_template(messages, tools=list(session.tools),
                                                add_generation_prompt=True)
-        started = time.perf_counter()
-        cache, rest = store.fetch_nearest_cache("model", tokens)
-        cache = make_prompt_cache(model) if cache is None else cache
-        cached = len(tokens) - len(rest)
-        for start in range(0, len(rest) - 1, args.step_size):  # the prompt but its last token
-            model(mx.array(rest[start : min(start + args.step_size, len(rest) - 1)])[None],
-                  cache=cache)
-            mx.eval([c.state for c in cache])
-        store.insert_cache("model", tokens[:-1], copy.deepcopy(cache), cache_type="user")
-        fed, ttft = [], None
-        for token, _ in generate_step(mx.array(rest[-1:]), model, max_tokens=args.reply_tokens,
-                                      prompt_cache=cache):
-            ttft = ttft or time.perf_counter() - started
-            fed.append(int(token))
-            if token in tokenizer.eos_token_ids and not args.ignore_eos:
-                break
-        wall = time.perf_counter() - started
-        store.insert_cache("model", (tokens + fed)[: _fed(cache)], cache)
-        reply = tokenizer.decode([t for t in fed if t not in tokenizer.eos_token_ids])
-        replies.append(reply)
-        rows.append({"prompt_tokens": len(tokens), "ttft": ttft, "wall": wall,
-                     "decode": wall - ttft, "reply_tokens": len(fed), "draft_tokens": 0,
-                     "draft_cached": 0, "target_tokens": len(tokens) - cached,
-                     "target_cached": cached, "reply": reply, "reuse": ""})
+        rows.append(mlx_lm_turn(model, tokenizer, store, tokens, args))
+        replies.append(rows[-1]["reply"])
         time.sleep(args.tool_seconds)
     return rows
+
+
+def engine_turn(engine, request: dict, messages: list, tools: list, args) -> dict:
+    """One request through the engine; the tokens through the draft and the target from
+    its usage and SpecPrefill report."""
+    started = time.perf_counter()
+    result = engine.generate_sync(messages, max_tokens=args.reply_tokens,
+                                  ignore_eos=args.ignore_eos, tools=tools, **request)
+    wall = time.perf_counter() - started
+    usage, report = result.usage, result.specprefill
+    draft_tokens = usage.prompt_tokens - usage.draft_cached_tokens if report.engaged else 0
+    target_tokens = (report.kept_tokens if report.engaged else usage.prompt_tokens) \
+        - usage.cached_tokens
+    ttft = result.timings.time_to_first_token
+    return {"prompt_tokens": usage.prompt_tokens, "ttft": ttft, "wall": wall,
+            "decode": wall - ttft, "reply_tokens": usage.completion_tokens,
+            "draft_tokens": draft_tokens, "draft_cached": usage.draft_cached_tokens,
+            "target_tokens": target_tokens, "target_cached": usage.cached_tokens,
+            "kept_tokens": report.kept_tokens, "reply": result.text,
+            "reuse": report.reuse, "engaged": report.engaged}
 
 
 def engine_session(engine, settings, session, args) -> list:
     rows, replies = [], []
     for step in range(args.steps):
-        started = time.perf_counter()
-        result = engine.generate_sync(session.messages(step, replies),
-                                      max_tokens=args.reply_tokens, ignore_eos=args.ignore_eos,
-                                      tools=list(session.tools), **settings["request"])
-        wall = time.perf_counter() - started
-        replies.append(result.text)
-        usage, report = result.usage, result.specprefill
-        draft_tokens = usage.prompt_tokens - usage.draft_cached_tokens if report.engaged else 0
-        target_tokens = (report.kept_tokens if report.engaged else usage.prompt_tokens) \
-            - usage.cached_tokens
-        ttft = result.timings.time_to_first_token
-        rows.append({"prompt_tokens": usage.prompt_tokens, "ttft": ttft, "wall": wall,
-                     "decode": wall - ttft, "reply_tokens": usage.completion_tokens,
-                     "draft_tokens": draft_tokens, "draft_cached": usage.draft_cached_tokens,
-                     "target_tokens": target_tokens, "target_cached": usage.cached_tokens,
-                     "kept_tokens": report.kept_tokens, "reply": result.text,
-                     "reuse": report.reuse, "engaged": report.engaged})
+        rows.append(engine_turn(engine, settings["request"], session.messages(step, replies),
+                                list(session.tools), args))
+        replies.append(rows[-1]["reply"])
         time.sleep(args.tool_seconds)
     return rows
 
