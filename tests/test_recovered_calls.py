@@ -198,3 +198,14 @@ def test_langchain_bind_tools_gives_a_recovered_call():
     chunks = list(llm.stream("What is the weather in Paris?", response_format=forced))
     total = sum(chunks[1:], chunks[0])
     assert [(c["name"], c["args"]) for c in total.tool_calls] == [("get_weather", PARIS)]
+
+
+def test_without_jsonschema_a_fenced_call_is_still_read(tokenizer, monkeypatch):
+    """The core install has no jsonschema: a call's arguments then go unchecked, and
+    reading the reply never fails."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # `import jsonschema` raises
+    text = '```json\n{"name": "read_file", "arguments": {"path": "a.py"}}\n```'
+    content, calls, invalid = read(tokenizer, text)
+    assert (content, calls, invalid) == ("", [("read_file", {"path": "a.py"})], [])

@@ -116,12 +116,16 @@ def tool_choice_format(tokenizer, tools: list, choice: str, parallel: bool) -> O
 
 def schema_problem(arguments: dict, schema: Optional[dict]) -> Optional[str]:
     """Why a call's arguments break its tool's JSON schema; None when they match (or
-    the schema itself is not one a validator reads). Constrained calls match the
-    grammar, which may leave out keywords llguidance does not implement
-    (`constrained.py`): this is where those are checked."""
+    the schema itself is not one a validator reads, or jsonschema, in the extras that
+    take tools, is not installed). Constrained calls match the grammar, which may leave
+    out keywords llguidance does not implement (`constrained.py`): this is where those
+    are checked."""
     if not isinstance(schema, dict) or not schema:
         return None
-    import jsonschema
+    try:
+        import jsonschema
+    except ImportError:
+        return None
 
     validator = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
     try:
