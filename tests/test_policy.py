@@ -173,7 +173,7 @@ print(json.dumps([report.engaged, report.reason, report.predicted_specprefill_s,
 
 
 def test_a_new_process_engages_from_the_persisted_costs(retry_storm):
-    folder, _, _ = retry_storm
+    folder, _, later = retry_storm
     saved = json.loads(next((folder / "costs").glob("*.json")).read_text())
     assert saved["version"] == 2 and saved["draft"]["points"]
     run = subprocess.run([sys.executable, "-c", NEW_PROCESS], capture_output=True, text=True,
@@ -181,8 +181,13 @@ def test_a_new_process_engages_from_the_persisted_costs(retry_storm):
     assert run.returncode == 0, run.stderr
     engaged, reason, predicted, measured = json.loads(run.stdout.splitlines()[-1])
     assert engaged, reason
-    # the prediction is in seconds of this machine: the saved fits were loaded
-    assert measured / 3 <= predicted <= 3 * measured
+    # the prediction is in seconds of this machine: the saved fits were loaded (the
+    # FLOP prior's seconds are ~10x off here). It is compared with what the process
+    # that saved them measured for prompts of this size (2000 tokens): a machine that
+    # got busier or quieter between the two processes moves this one's own time, not
+    # the prediction
+    saved_by = sorted(_measured(result) for result in later[1:])
+    assert all(t / 3 <= predicted <= 3 * t for t in saved_by), (predicted, saved_by, measured)
 
 
 @pytest.fixture(scope="module")
