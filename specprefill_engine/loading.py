@@ -1,7 +1,9 @@
 """Load models through mlx-lm, with the bundled demo pair as the default."""
 
 import json
+import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -173,3 +175,15 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
         )
 
 
+
+
+def save_json(path: Path, data, what: str) -> None:
+    """Write `data` as JSON atomically (never a half-written file for another process);
+    a folder that cannot be written is logged, never raised: `what` names the contents."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as file:
+            file.write(json.dumps(data))
+        os.replace(file.name, path)
+    except OSError as error:
+        logging.getLogger(__name__).info("could not save %s to %s: %r", what, path, error)

@@ -38,9 +38,7 @@ import itertools
 import json
 import logging
 import math
-import os
 import platform
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -51,7 +49,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..loading import cache_dir
+from ..loading import cache_dir, save_json
 
 logger = logging.getLogger(__name__)
 VERSION = 2  # of the persisted file
@@ -307,14 +305,7 @@ class CostModel:
             if shape is not None:
                 saved[which] = {"shape": [shape.parameters, shape.attention],
                                 "points": list(getattr(self, which))}
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp",
-                                             delete=False) as file:
-                file.write(json.dumps(saved))
-            os.replace(file.name, self.path)  # never a half-written file for another process
-        except OSError as error:
-            logger.info("could not save prefill costs to %s: %r", self.path, error)
+        save_json(self.path, saved, "prefill costs")
 
 
 def _plausible(point, shape: Shape) -> bool:

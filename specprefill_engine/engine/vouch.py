@@ -37,7 +37,6 @@ import logging
 import math
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from ..code_tasks import make_case
 from ..core import run_steps, score_steps, select_chunks
-from ..loading import cache_dir
+from ..loading import cache_dir, save_json
 
 logger = logging.getLogger(__name__)
 VERSION = 1  # of the probe and its file
@@ -246,11 +245,4 @@ class DraftCheck:
         saved = {"version": VERSION, "key": self.key, "measured_at": time.time(),
                  "probe": {"target": list(self.probe.target), "draft": list(self.probe.draft),
                            "target_s": self.probe.target_s, "draft_s": self.probe.draft_s}}
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp",
-                                             delete=False) as file:
-                file.write(json.dumps(saved))
-            os.replace(file.name, self.path)  # never a half-written file for another process
-        except OSError as error:
-            logger.info("could not save the draft check to %s: %r", self.path, error)
+        save_json(self.path, saved, "the draft check")
