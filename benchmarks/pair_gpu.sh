@@ -13,6 +13,8 @@
 #     bash benchmarks/pair_gpu.sh install        # assemble, check, unpack to /tmp/pair
 #     bash benchmarks/pair_gpu.sh ttft           # TTFT at 8K / 16K / 32K -> $OUT
 #     bash benchmarks/pair_gpu.sh first          # a fresh engine's first requests at 16K
+#     bash benchmarks/pair_gpu.sh quality 540    # the quality grid, a process per kind, 540 s
+#     bash benchmarks/pair_gpu.sh agent          # the agent loop with real tool calls
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PAIR=/tmp/pair
@@ -52,8 +54,27 @@ first)
   python3 benchmarks/first_request.py --target "$PAIR/qwen2.5-coder-1.5b" \
     --draft "$PAIR/qwen2.5-coder-0.5b" --lengths 16384 --json "${OUT:-/tmp}/pair-first-request-gpu.json"
   ;;
+quality)
+  # one process per kind sharing the GPU (each its memory bounded), seeds round-robin over
+  # the lengths so a cut-short run has even cells; a rerun with the same files resumes
+  for kind in code_return code_calls code_far passkey multikey; do
+    python3 benchmarks/real_models.py --models qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+      --folder "qwen2.5-coder-1.5b=$PAIR/qwen2.5-coder-1.5b" \
+      "qwen2.5-coder-0.5b=$PAIR/qwen2.5-coder-0.5b" --scorers draft self layers \
+      --draft-layers 0.5 --kinds "$kind" --lengths 4096 8192 16384 --n 100 \
+      --memory-limit 20 --until "${2:-540}" --jsonl "${OUT:-/tmp}/pair-quality-$kind.jsonl" \
+      2> "${OUT:-/tmp}/pair-quality-$kind.log" &
+  done
+  wait
+  tail -n 2 "${OUT:-/tmp}"/pair-quality-*.log
+  ;;
+agent)
+  python3 benchmarks/tool_agent.py --target "$PAIR/qwen2.5-coder-1.5b" \
+    --draft "$PAIR/qwen2.5-coder-0.5b" --tasks "${2:-4}" --tokens 48000 --files 8 \
+    --turns 10 --reply-tokens 256 --tool-seconds 0.5 --json "${OUT:-/tmp}/pair-tool-agent-gpu.json"
+  ;;
 *)
-  echo "usage: $0 prepare|install|ttft|first" >&2
+  echo "usage: $0 prepare|install|ttft|first|quality [seconds]|agent [tasks]" >&2
   exit 2
   ;;
 esac
