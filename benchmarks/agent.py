@@ -125,7 +125,7 @@ def engine_turn(engine, request: dict, messages: list, tools: list, args) -> dic
             "draft_tokens": draft_tokens, "draft_cached": usage.draft_cached_tokens,
             "target_tokens": target_tokens, "target_cached": usage.cached_tokens,
             "kept_tokens": report.kept_tokens, "reply": result.text,
-            "reuse": report.reuse, "engaged": report.engaged}
+            "reuse": report.reuse, "engaged": report.engaged, "reason": report.reason}
 
 
 def engine_session(engine, settings, session, args) -> list:

@@ -34,3 +34,56 @@ def turn_s(target: Shape, draft: Shape, row: dict) -> dict:
     prefill = prefill_s(target, row["target_tokens"], row.get("target_cached", 0))
     decode = decode_s(target, row.get("reply_tokens", 0))
     return {"ttft": scoring + prefill, "decode": decode, "wall": scoring + prefill + decode}
+
+
+def ttft_rows(target: Shape, draft: Shape, lengths, keeps, kept=None) -> list:
+    """Projected first-token seconds of one prompt: dense, and SpecPrefill at each keep
+    (the draft's prefill of the whole prompt, then the target's of the kept tokens;
+    `kept[(length, keep)]` where a run measured it, else keep * length)."""
+    rows = []
+    for length in lengths:
+        dense = prefill_s(target, length)
+        rows.append({"length": length, "method": "dense", "ttft": dense})
+        for keep in keeps:
+            count = (kept or {}).get((length, keep), round(keep * length))
+            ttft = turn_s(target, draft, {"draft_tokens": length, "target_tokens": count})["ttft"]
+            rows.append({"length": length, "method": f"keep {keep}", "kept": count,
+                         "ttft": ttft, "speedup": dense / ttft})
+    return rows
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    from mlx_lm import load
+
+    from specprefill_engine.engine.policy import shape_of
+
+    parser = argparse.ArgumentParser(description="A prompt's TTFT on a Mac, projected from "
+                                                 "the two models' shapes (" + REFERENCE + ")")
+    parser.add_argument("--target", required=True, help="target model folder")
+    parser.add_argument("--draft", required=True, help="draft model folder")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.3])
+    parser.add_argument("--ttft-json", help="a gpu_ttft.py run: take its kept counts")
+    args = parser.parse_args(argv)
+    target, draft = (shape_of(load(path, lazy=True)[0]) for path in (args.target, args.draft))
+    kept = {}
+    if args.ttft_json:
+        for row in json.loads(open(args.ttft_json).read())["rows"]:
+            if "kept" in row and "keep" in row:
+                kept[(row["length"], row["keep"])] = row["kept"]
+    print(f"projected, not measured: {REFERENCE}")
+    print("| tokens | dense | " + " | ".join(f"keep {k}" for k in args.keeps) + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in args.keeps) + " |")
+    rows = ttft_rows(target, draft, args.lengths, args.keeps, kept)
+    for length in args.lengths:
+        mine = [r for r in rows if r["length"] == length]
+        cells = [f"{r['ttft']:.2f} s ({r['speedup']:.2f}x)" for r in mine[1:]]
+        print(f"| {length // 1024}K | {mine[0]['ttft']:.2f} s | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -246,28 +246,61 @@ def retained(rows: list) -> dict:
     return found
 
 
+def held(rows: list) -> dict:
+    """{(model, group, method): (held, of)}: of the cases dense answered right, how many
+    the method answered right too, per group of kinds ("prose", "code"; summaries
+    excluded). Unlike `retained`, a cell where dense is weak still counts its cases."""
+    found = {}
+    for r in rows:
+        if r["kind"] == "summary" or r["dense"] < 1:
+            continue
+        group = "code" if r["kind"] in code_tasks.KINDS else "prose"
+        for name in methods([r]):
+            count = found.setdefault((r["model"], group, name), [0, 0])
+            count[0] += r[name] >= 1
+            count[1] += 1
+    return {key: tuple(value) for key, value in sorted(found.items())}
+
+
 def plot(rows: list, path: Path) -> None:
+    """Per model and scorer against keep: on the left the accuracy retained where dense >
+    50% (`retained`), on the right the share of dense's right answers held, prose and
+    code kinds apart (`held`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shares = retained(rows)
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    styles = {"self": "-", "layers": "--", "draft": "-.", "random": ":"}
-    for number, model in enumerate(sorted({m for m, _ in shares})):
-        for scorer, style in styles.items():
+    shares, counts = retained(rows), held(rows)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = {"self": 0, "layers": 1, "draft": 2, "random": 7}  # a color per scorer
+    styles = ["-", "--", "-.", ":"]  # a line style per model
+    models = sorted({m for m, _ in shares} | {m for m, _, _ in counts})
+    for number, model in enumerate(models):
+        style = styles[number % len(styles)]
+        for scorer, color in colors.items():
+            color = plt.cm.tab10(color)
             points = sorted((float(n.split("@")[1]), v) for (m, n), v in shares.items()
                             if m == model and n.split("@")[0] == scorer)
             if points:
-                axes.plot(*zip(*points), style, marker="o", color=plt.cm.tab10(number),
+                left.plot(*zip(*points), style, marker="o", color=color,
                           label=f"{model} {scorer}")
-    axes.axhline(0.95, color="gray", linewidth=0.8)
-    axes.axhline(0.85, color="gray", linewidth=0.8, linestyle="--")
-    axes.set(xlabel="keep", ylabel="accuracy retained (share of dense)", ylim=(0, 1.3),
-             title="Real weights: accuracy retained where dense > 50%")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
+            for group, marker in (("prose", "o"), ("code", "s")):
+                points = sorted((float(n.split("@")[1]), h / of) for (m, g, n), (h, of)
+                                in counts.items() if m == model and g == group
+                                and n.split("@")[0] == scorer)
+                if points:
+                    right.plot(*zip(*points), style, marker=marker, color=color,
+                               label=f"{model} {scorer}, {group}")
+    for axes in (left, right):
+        axes.axhline(0.95, color="gray", linewidth=0.8)
+        axes.axhline(0.85, color="gray", linewidth=0.8, linestyle="--")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+    left.set(xlabel="keep", ylabel="accuracy retained (share of dense)", ylim=(0, 1.3),
+             title="accuracy retained where dense > 50%")
+    right.set(xlabel="keep", ylabel="dense's right answers held", ylim=(0, 1.05),
+              title="of the cases dense answers, the share held")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -325,6 +358,8 @@ def main(argv=None) -> int:
     print()
     for (model, name), share in retained(rows).items():
         print(f"{model} {name}: {share:.0%} of dense (cells where dense > 50%)")
+    for (model, group, name), (count, of) in held(rows).items():
+        print(f"{model} {group} {name}: holds {count} of the {of} answers dense got right")
     for (model, kind, scorer), keep in needs(rows).items():
         print(f"{model} {kind} {scorer}: median least keep holding the answer {keep:.2f}")
     if args.plot:

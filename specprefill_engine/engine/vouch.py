@@ -3,10 +3,11 @@
 A draft too weak for a task ranks the answer's tokens low, and the selection drops them:
 the target then answers from a prompt without its answer, and nothing says so. The
 probe asks what the selection depends on, in the target's own vocabulary: `QUESTIONS`
-questions over one generated Python file of about `LENGTH` tokens (`code_tasks`: which
-constant a named function adds, among similar functions each adding one; the value of a
-named module constant, among others). Each question is scored twice, by the draft and by
-the target as its own draft, and each scoring gives the least keep at which the engine's
+questions over one generated Python file (`PROBES`; `code_tasks`: which constant a named
+function adds, among similar functions each adding one; the value a function near the
+end adds through a module constant defined near the top, which needs both places; the
+value of a named module constant, among others). Each question is scored twice, by the
+draft and by the target as its own draft, and each scoring gives the least keep at which the engine's
 selection holds the answer's tokens (`needed_keep`).
 
 The measure: of the questions whose answer the target's own selection holds, the share
@@ -16,12 +17,15 @@ such as a correlation of importances, and it is relative: it asks whether the dr
 what the target itself would, so a question the target's own attention misses counts
 against neither. The margin: the probe's file holds a fraction of the distractors of the
 prompts the policy engages on, and a draft that finds the answer by its content keeps
-its rank as they grow while one that does not falls with them (on code questions
-Qwen2.5-Coder-1.5B as its own draft ranks the answer 0-10 of 334 tokens, 2-44 of 1,006,
-8-21 of 1,650; its 0.5B 14-65, 26-294, 160-770: docs/how-it-works.md, "The draft
-check"), so the short probe asks for the answer at half the keep. The draft is vouched for where that share is at least `HELD_SHARE`;
+its rank as they grow while one that does not falls with them (docs/how-it-works.md,
+"The draft check", has the ranks measured on a real pair), so the short probe asks for
+the answer at half the keep. The draft is vouched for where that share is at least
+`HELD_SHARE`;
 where the target's own selection holds fewer than `CONCLUSIVE` answers the probe cannot
-tell (no verdict: the policy goes on as without a check).
+tell (no verdict: the policy goes on as without a check). The probes run from the
+longest file down until one gives a verdict: a draft is judged at the longest file its
+target's own attention reads (a 1.5B coder at 2,048 tokens; a tiny demo model only at
+768), since the distractors are what separates a weak draft from its target.
 
 The questions share their file, so each model prefills it once and then only each
 question. The measurement is persisted per (target, draft, scoring and selection
@@ -51,11 +55,13 @@ from ..core import run_steps, score_steps, select_chunks
 from ..loading import cache_dir, save_json
 
 logger = logging.getLogger(__name__)
-VERSION = 1  # of the probe and its file
+VERSION = 2  # of the probe and its file
 FOLDER = "draft-checks"
-PROBE = (("code_return", 4), ("code_const", 4))  # (kind, questions), over one file
-LENGTH, SEED = 768, 0
-QUESTIONS = sum(count for _, count in PROBE)
+# (file length in tokens, ((kind, questions), ...)): the longest first; each over one file
+PROBES = ((2048, (("code_return", 4), ("code_far", 4))),
+          (768, (("code_return", 4), ("code_const", 4))))
+SEED = 0
+QUESTIONS = 8  # of every probe
 HELD_SHARE = 0.75  # of the answers the target's own selection holds, the draft's must hold
 CONCLUSIVE = 3  # answers the target's own selection must hold for a verdict
 MARGIN = 0.5  # the share of the engine's keep the probe judges at
@@ -71,6 +77,7 @@ class Probe:
     draft: tuple
     target_s: float = 0.0
     draft_s: float = 0.0
+    length: int = PROBES[-1][0]  # the probe's file, of `PROBES`
 
 
 @dataclass(frozen=True)
@@ -96,12 +103,13 @@ def needed_keep(importance, spans, must_keep=None, **selection) -> float:
     return 1.0
 
 
-def measure(target, draft, tokenizer, n_lookahead: int = 1, pool_kernel: int = 13,
-            **selection) -> Probe:
-    """Score the probe's questions with both models; `selection`: `select_chunks`'
-    chunk_size, tail_tokens and backbone_pct as the engine selects."""
-    cases = [make_case(tokenizer, kind, LENGTH, SEED, ask)
-             for kind, count in PROBE for ask in range(count)]
+def measure(target, draft, tokenizer, length: int, n_lookahead: int = 1,
+            pool_kernel: int = 13, **selection) -> Probe:
+    """Score the questions of `PROBES`' probe of `length` with both models; `selection`:
+    `select_chunks`' chunk_size, tail_tokens and backbone_pct as the engine selects."""
+    kinds = dict(PROBES)[length]
+    cases = [make_case(tokenizer, kind, length, SEED, ask)
+             for kind, count in kinds for ask in range(count)]
     shared = len(os.path.commonprefix([case.ids for case in cases]))
     found, seconds = {}, {}
     for which, model in (("target", target), ("draft", draft)):
@@ -120,7 +128,18 @@ def measure(target, draft, tokenizer, n_lookahead: int = 1, pool_kernel: int = 1
         found[which], seconds[which] = tuple(keeps), time.perf_counter() - started
     mx.clear_cache()
     return Probe(found["target"], found["draft"], round(seconds["target"], 3),
-                 round(seconds["draft"], 3))
+                 round(seconds["draft"], 3), length)
+
+
+def probe_pair(target, draft, tokenizer, keep: float, **settings) -> Probe:
+    """The probes of `PROBES` from the longest, until one gives a verdict at `keep` (the
+    target's own selection holds enough answers there): the draft is judged at the
+    longest file its target itself reads, and a weak target falls back to shorter ones."""
+    for length, _ in PROBES:
+        probe = measure(target, draft, tokenizer, length, **settings)
+        if judge(probe, keep).vouched is not None:
+            break
+    return probe
 
 
 def judge(probe: Probe, keep: float) -> DraftVerdict:
@@ -130,7 +149,7 @@ def judge(probe: Probe, keep: float) -> DraftVerdict:
     target = [t <= at for t in probe.target]
     both = sum(t and d <= at for t, d in zip(target, probe.draft))
     held, count = sum(target), len(target)
-    numbers = (f"the least keep holding it, median of {count}: draft "
+    numbers = (f"the least keep holding it over {probe.length} tokens, median of {count}: draft "
                f"{statistics.median(probe.draft):.2f}, target {statistics.median(probe.target):.2f}")
     if held < CONCLUSIVE:
         return DraftVerdict(None, f"the probe cannot tell: at keep {at} (of the engine's {keep}) "
@@ -158,7 +177,9 @@ def _plausible(saved, key: dict) -> Optional[Probe]:
     times = [probe.get("target_s"), probe.get("draft_s")]
     if not all(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 for t in times):
         return None
-    return Probe(tuple(keeps[0]), tuple(keeps[1]), *times)
+    if probe.get("length") not in dict(PROBES):
+        return None
+    return Probe(tuple(keeps[0]), tuple(keeps[1]), *times, probe["length"])
 
 
 class DraftCheck:
@@ -197,7 +218,7 @@ class DraftCheck:
         """Measure (on the worker), persist, and say what it found; a failure leaves no
         verdict, said once."""
         try:
-            self.probe = measure(target, draft, tokenizer, **self.settings)
+            self.probe = probe_pair(target, draft, tokenizer, self.keep, **self.settings)
         except Exception as error:
             self.failed = repr(error)
             logger.warning("the draft check could not run: %r; no verdict", error)
@@ -244,5 +265,6 @@ class DraftCheck:
     def save(self) -> None:
         saved = {"version": VERSION, "key": self.key, "measured_at": time.time(),
                  "probe": {"target": list(self.probe.target), "draft": list(self.probe.draft),
-                           "target_s": self.probe.target_s, "draft_s": self.probe.draft_s}}
+                           "target_s": self.probe.target_s, "draft_s": self.probe.draft_s,
+                           "length": self.probe.length}}
         save_json(self.path, saved, "the draft check")
