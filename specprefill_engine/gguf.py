@@ -156,6 +156,24 @@ _PERMUTED = {"llama"}  # architectures whose q/k rows llama.cpp's converter inte
 _NORM_SHIFTED = {"gemma", "gemma2", "gemma3"}  # norm weights stored as 1 + w
 
 
+def _reader(path: Path):
+    """gguf's GGUFReader over a plain ndarray view of the file's memory map: every slice
+    of an np.memmap runs Python hooks, and reading the metadata (150K tokenizer strings
+    of the Qwen models) slices the file millions of times."""
+    from gguf import GGUFReader
+
+    class PlainReader(GGUFReader):
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray)
+
+    return PlainReader(str(path))
+
+
 def _field(reader, key: str):
     field = reader.fields.get(key)
     return None if field is None else field.contents()
@@ -226,6 +244,27 @@ def _unpermute(weights: np.ndarray, heads: int) -> np.ndarray:
     return weights.reshape(heads, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
+_CHUNK_BLOCKS = 1 << 10  # quantized blocks per numpy call: their temporaries stay in cache
+
+
+def _dequantize(tensor) -> np.ndarray:
+    """A tensor's values as float32, by gguf's own block dequantizer over chunks of 1024
+    blocks: gguf's `dequantize` calls it per group of 16 rows and spends most of its time
+    in Python between the calls."""
+    import gguf
+
+    quant = getattr(gguf.quants, tensor.tensor_type.name, None)
+    if not hasattr(quant, "dequantize_blocks"):  # F32, F16: a view or a cast
+        return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+    quant.init_grid()
+    block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    blocks = tensor.data.view(np.uint8).reshape(-1, type_size)
+    values = np.empty((len(blocks), block_size), np.float32)
+    for start in range(0, len(blocks), _CHUNK_BLOCKS):
+        values[start:start + _CHUNK_BLOCKS] = quant.dequantize_blocks(blocks[start:start + _CHUNK_BLOCKS])
+    return values
+
+
 def _tensors(reader, architecture: str, config: dict) -> dict:
     """mlx-lm parameter name -> float array, every GGUF tensor used exactly once."""
     import gguf
@@ -245,8 +284,7 @@ def _tensors(reader, architecture: str, config: dict) -> dict:
                 continue  # the model's sanitize drops it: the embedding is the output layer
             raise ValueError(f"{name}: no GGUF tensor {source!r}")
         tensor = stored.pop(source)
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        values = np.asarray(values, np.float32).reshape([int(d) for d in reversed(tensor.shape)])
+        values = _dequantize(tensor).reshape([int(d) for d in reversed(tensor.shape)])
         if architecture in _PERMUTED and source.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config["num_attention_heads"] if "attn_q" in source \
                 else config["num_key_value_heads"]
@@ -268,9 +306,8 @@ def convert_file(path: Path, folder: Path, tokenizer_from: Optional[Path] = None
     tokenizer files are copied from `tokenizer_from` when given (a machine whose
     transformers lacks the GGUF tokenizer builders), else rebuilt from the metadata."""
     import mlx.core as mx
-    from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    reader = _reader(path)
     architecture = _field(reader, "general.architecture")
     tokenizer = None if tokenizer_from else _tokenizer(reader, architecture)
     config = _config(reader, architecture, len(_field(reader, "tokenizer.ggml.tokens")),
