@@ -273,13 +273,13 @@ def plot(rows: list, path: Path) -> None:
 
     shares, counts = retained(rows), held(rows)
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {"self": 0, "layers": 1, "draft": 2, "random": 7}  # a color per scorer
+    colors = {"self": plt.cm.tab10(0), "layers": plt.cm.tab10(1), "draft": plt.cm.tab10(2),
+              "random": plt.cm.tab10(7)}  # a color per scorer
     styles = ["-", "--", "-.", ":"]  # a line style per model
     models = sorted({m for m, _ in shares} | {m for m, _, _ in counts})
     for number, model in enumerate(models):
         style = styles[number % len(styles)]
         for scorer, color in colors.items():
-            color = plt.cm.tab10(color)
             points = sorted((float(n.split("@")[1]), v) for (m, n), v in shares.items()
                             if m == model and n.split("@")[0] == scorer)
             if points:

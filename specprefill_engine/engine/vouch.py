@@ -7,8 +7,8 @@ questions over one generated Python file (`PROBES`; `code_tasks`: which constant
 function adds, among similar functions each adding one; the value a function near the
 end adds through a module constant defined near the top, which needs both places; the
 value of a named module constant, among others). Each question is scored twice, by the
-draft and by the target as its own draft, and each scoring gives the least keep at which the engine's
-selection holds the answer's tokens (`needed_keep`).
+draft and by the target as its own draft, and each scoring gives the least keep at which
+the engine's selection holds the answer's tokens (`needed_keep`).
 
 The measure: of the questions whose answer the target's own selection holds, the share
 the draft's selection holds too, both at `MARGIN` of the engine's keep. It is the
@@ -20,11 +20,10 @@ prompts the policy engages on, and a draft that finds the answer by its content 
 its rank as they grow while one that does not falls with them (docs/how-it-works.md,
 "The draft check", has the ranks measured on a real pair), so the short probe asks for
 the answer at half the keep. The draft is vouched for where that share is at least
-`HELD_SHARE`;
-where the target's own selection holds fewer than `CONCLUSIVE` answers the probe cannot
-tell (no verdict: the policy goes on as without a check). The probes run from the
-longest file down until one gives a verdict: a draft is judged at the longest file its
-target's own attention reads (a 1.5B coder at 2,048 tokens; a tiny demo model only at
+`HELD_SHARE`; where the target's own selection holds fewer than `CONCLUSIVE` answers the
+probe cannot tell (no verdict: the policy goes on as without a check). The probes run
+from the longest file down until one gives a verdict: a draft is judged at the longest
+file its target's own attention reads (a 1.5B coder at 2,048 tokens; a tiny demo model only at
 768), since the distractors are what separates a weak draft from its target.
 
 The questions share their file, so each model prefills it once and then only each
