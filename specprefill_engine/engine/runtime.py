@@ -66,7 +66,7 @@ class EngineConfig:
     pool_kernel: int = 13
     step_size: Optional[int] = None
     draft_step_size: Optional[int] = None
-    prefix_cache_bytes: int = 4 << 30
+    prefix_cache_bytes: int = 8 << 30  # kept only whole: an 8B model's KV at 32K is ~4.5 GiB
     max_batch_size: int = 32
     kv_cache_bytes: Optional[int] = None
     draft_prefix_cache_bytes: int = 4 << 30
