@@ -107,6 +107,12 @@ def make_prefix_caches(runtime: Runtime, disk: Optional[DiskCache] = None) -> Pr
     return PrefixCaches(target, draft)
 
 
+def _same_start(tokens: np.ndarray, stored: np.ndarray, length: int = 64) -> bool:
+    """Whether a prompt may continue a stored sequence (an agent's next turn)."""
+    n = min(length, tokens.size, stored.size)
+    return n > 0 and np.array_equal(tokens[:n], stored[:n])
+
+
 class Worker:
     def __init__(self, load: Callable[[], Runtime], name: str = "specprefill-worker"):
         self._load = load
@@ -437,6 +443,8 @@ class Worker:
                 waiting = next((s for s in live if s.status is Status.WAITING), None)
                 if waiting is None or waiting.cancelled.is_set():
                     return  # a cancelled request ends at the next turn's start
+                if any(_same_start(waiting.tokens, store.tokens) for store in plan.stores):
+                    return  # admitted next turn, where its lookup finds what this plan stores
                 share = short_prefill_share(waiting, runtime)
                 if share is not None:
                     share = max(share, SHORT_PREFILL_FLOOR)
