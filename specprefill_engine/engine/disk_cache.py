@@ -10,7 +10,9 @@ Files. One safetensors file per entry, in `<cache_dir>/prefix-cache/<model>/`, w
 and times, tokenizer files, the dtype it runs in), so another model never reads them.
 A file holds the entry's tokens and positions, each plain layer's keys and values
 (8- or 4-bit with `bits`, else as computed) and each checkpoint's state of the other
-layers (as mlx-lm's `state` gives it), with a CRC-32 over the header and all data. It
+layers (as mlx-lm's `state` gives it), with CRC-32s of the header and of each tensor (a
+reader checks the tensors on several threads: one CRC pass over a 32K-token conversation
+of an 8B model would take longer than the read itself). It
 is written under a temporary name, flushed to the disk and renamed into place, so a
 reader sees a whole file or none; a file whose checksum or layout does not match (torn
 by a crash, damaged) is ignored and removed. Processes may share the folder: a name
@@ -39,6 +41,7 @@ import struct
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -49,7 +52,7 @@ import numpy as np
 from .prefix_cache import Entry, Snapshot, extends, tree_nbytes
 
 logger = logging.getLogger(__name__)
-FORMAT = 1  # part of the model's folder name: another format is never read
+FORMAT = 2  # part of the model's folder name: another format is never read
 FOLDER = "prefix-cache"
 SUFFIX = ".safetensors"
 QUANT_GROUP = 32  # KV quantized in groups of 32 along the head dimension
@@ -67,7 +70,8 @@ _NUMPY_DTYPES = {np.dtype(np.int32): "I32", np.dtype(np.int64): "I64"}
 _SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "I16": 2, "I32": 4, "I64": 8,
           "U8": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1}
 _CHECKSUM = b'"checksum":"'
-_NO_CHECKSUM = "00000000"
+_CRC_WIDTH = 8  # hex digits per CRC-32 in the header's checksum: the header's, then each tensor's
+_CHECK_THREADS = 8
 
 
 class BrokenFile(ValueError):
@@ -218,6 +222,10 @@ def file_name(identity: str, entry: Entry, bits: int) -> str:
     return digest.hexdigest()[:32] + SUFFIX
 
 
+def _no_checksum(tensors: int) -> str:
+    return "0" * _CRC_WIDTH * (tensors + 1)
+
+
 def _header(tensors: list, meta: dict) -> bytes:
     """The safetensors header of (name, dtype name, array) tensors, its length prefix
     included, with a zero checksum."""
@@ -227,7 +235,7 @@ def _header(tensors: list, meta: dict) -> bytes:
         spec[name] = {"dtype": dtype, "shape": list(x.shape), "data_offsets": [offset, offset + size]}
         offset += size
     spec["__metadata__"] = {"specprefill": json.dumps(meta, separators=(",", ":")),
-                            "checksum": _NO_CHECKSUM}
+                            "checksum": _no_checksum(len(tensors))}
     text = json.dumps(spec, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
@@ -260,13 +268,15 @@ def _read_header(f) -> tuple[bytes, dict, int]:
     return prefix + text, header, end
 
 
-def _checksum(raw_header: bytes, chunks) -> str:
-    """CRC-32 of the header as written with a zero checksum, then of every chunk."""
+def _header_crc(raw_header: bytes, tensors: int) -> int:
+    """CRC-32 of the header as written, with a zero checksum."""
     at = raw_header.index(_CHECKSUM) + len(_CHECKSUM)
-    crc = zlib.crc32(raw_header[:at] + _NO_CHECKSUM.encode() + raw_header[at + 8:])
-    for chunk in chunks:
-        crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
+    end = at + _CRC_WIDTH * (tensors + 1)
+    return zlib.crc32(raw_header[:at] + _no_checksum(tensors).encode() + raw_header[end:])
+
+
+def _checksum(crcs) -> str:
+    return "".join(f"{crc:08x}" for crc in crcs)
 
 
 @dataclass(eq=False)
@@ -429,16 +439,16 @@ class DiskCache:
     def _write_file(job: _Job, tmp: Path) -> None:
         header = _header(job.tensors, job.meta)
         at = header.index(_CHECKSUM) + len(_CHECKSUM)
-        crc = zlib.crc32(header)
+        crcs = [zlib.crc32(header)]
         with open(tmp, "wb") as f:
             f.write(header)
             for _, _, x in job.tensors:
                 data = np.ascontiguousarray(np.asarray(x))  # the worker evaluated it
-                crc = zlib.crc32(data, crc)
+                crcs.append(zlib.crc32(data))
                 f.write(data.data)
                 del data
             f.seek(at)
-            f.write(f"{crc:08x}".encode())
+            f.write(_checksum(crcs).encode())
             f.flush()
             os.fsync(f.fileno())
 
@@ -607,14 +617,18 @@ class DiskTier:
         try:
             with open(path, "rb") as f:
                 raw, header, size = _read_header(f)
-                if os.fstat(f.fileno()).st_size != len(raw) + size:
+                held = os.fstat(f.fileno())
+                if held.st_size != len(raw) + size:
                     raise BrokenFile("its size is not the header's")
-                f.seek(0)
-                arrays = mx.load(f, format="safetensors")
+                arrays = mx.load(str(path))  # by path: MLX reads a file object slower
                 mx.eval(arrays)
+            if os.stat(path).st_ino != held.st_ino:  # replaced meanwhile (renames are atomic)
+                return None
             order = sorted((n for n in header if n != "__metadata__"),
                            key=lambda n: header[n]["data_offsets"][0])
-            if _checksum(raw, (memoryview(arrays[n]) for n in order)) != \
+            with ThreadPoolExecutor(_CHECK_THREADS) as pool:  # zlib lets go of the GIL
+                crcs = list(pool.map(lambda n: zlib.crc32(memoryview(arrays[n])), order))
+            if _checksum([_header_crc(raw, len(order)), *crcs]) != \
                     header["__metadata__"]["checksum"]:
                 raise BrokenFile("the checksum does not match")
             entry = self._entry(json.loads(header["__metadata__"]["specprefill"]), arrays)
