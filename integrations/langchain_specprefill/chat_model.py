@@ -249,10 +249,10 @@ class ChatSpecPrefill(BaseChatModel):
         return merged
 
     def _request(self, messages: list[BaseMessage], stop: Optional[list[str]],
-                 kwargs: dict) -> tuple[Call, Optional[float]]:
-        """(the engine call, timeout) for one call (`engine/call.py`, as the server builds
-        its calls). Loads the model on first use and renders the chat template: async
-        callers run it in a thread."""
+                 kwargs: dict) -> tuple:
+        """(the engine call, its output parser, timeout) for one call (`engine/call.py`,
+        as the server builds its calls). Loads the model on first use and renders the
+        chat template: async callers run it in a thread."""
         kwargs = dict(kwargs)
         kwargs.pop("ls_structured_output_format", None)
         if "model" in kwargs:
@@ -275,7 +275,7 @@ class ChatSpecPrefill(BaseChatModel):
                 template_kwargs=self._template_kwargs(kwargs))
         except ToolsNotSupportedError as error:
             raise ToolsNotSupportedError(f"{self.model_name}: {error}") from None
-        return call, kwargs.get("timeout", self.timeout)
+        return call, call.parser(self.engine.tokenizer), kwargs.get("timeout", self.timeout)
 
     # messages -------------------------------------------------------------------
 
@@ -357,8 +357,7 @@ class ChatSpecPrefill(BaseChatModel):
     # the four entry points -------------------------------------------------------
 
     def _sync_chunks(self, messages, stop, kwargs) -> Iterator[AIMessageChunk]:
-        call, timeout = self._request(messages, stop, kwargs)
-        parser = call.parser(self.tokenizer)
+        call, parser, timeout = self._request(messages, stop, kwargs)
         request_id = f"lc-{uuid.uuid4().hex[:16]}"
         done, timed_out = threading.Event(), threading.Event()
         timer = self._arm(timeout, request_id, done, timed_out)
@@ -372,8 +371,7 @@ class ChatSpecPrefill(BaseChatModel):
                 timer.cancel()
 
     async def _async_chunks(self, messages, stop, kwargs) -> AsyncIterator[AIMessageChunk]:
-        call, timeout = await asyncio.to_thread(self._request, messages, stop, kwargs)
-        parser = call.parser(self.tokenizer)
+        call, parser, timeout = await asyncio.to_thread(self._request, messages, stop, kwargs)
         request_id = f"lc-{uuid.uuid4().hex[:16]}"
         done, timed_out = threading.Event(), threading.Event()
         timer = self._arm(timeout, request_id, done, timed_out)
