@@ -12,6 +12,7 @@ from mlx_lm.generate import generate_step
 from specprefill_engine.engine.constrained import (
     GrammarConstraint, _Grammar, _Markers, _tool_answer,
 )
+from specprefill_engine.engine.events import ReasoningEvent, TextEvent
 from specprefill_engine.engine.tool_calls import OutputParser
 
 
@@ -47,11 +48,11 @@ def split_tool_calls(text: str, tokenizer, tools: Optional[list] = None) -> tupl
     invalid_tool_calls), as LangChain's message fields."""
     parser = OutputParser(tokenizer, parse_tools=True, tools=tools)
     content, calls, invalid = [], [], []
-    for kind, value in parser.feed(text) + parser.finish():
-        if kind == "content":
-            content.append(value)
-        elif kind == "reasoning":
-            content.append(f"{parser.think_start}{value}{parser.think_end}")
+    for value in parser.feed(text) + parser.finish():
+        if isinstance(value, TextEvent):
+            content.append(value.text)
+        elif isinstance(value, ReasoningEvent):
+            content.append(f"{parser.think_start}{value.text}{parser.think_end}")
         elif value.error is None:
             calls.append({"name": value.name, "args": json.loads(value.args), "id": value.id,
                           "type": "tool_call"})

@@ -25,6 +25,7 @@ from decoding import split_tool_calls
 from langchain_specprefill import ChatSpecPrefill
 from langchain_specprefill.chat_model import ToolsNotSupportedError, shared_engine
 from langchain_specprefill.messages import UnsupportedContentError
+from specprefill_engine.engine.events import ReasoningEvent, TextEvent, ToolCallEvent
 from specprefill_engine.engine.tool_calls import OutputParser
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.loading import DEMO_TARGET
@@ -289,14 +290,14 @@ def test_tool_call_parser_streams_like_the_whole_text():
     assert len({c["id"] for c in calls}) == 2 and invalid == []
     parser = OutputParser(tokenizer, parse_tools=True)
     events = [e for ch in output for e in parser.feed(ch)] + parser.finish()  # char by char
-    assert "".join(v for k, v in events if k == "content") == "Let me add them."
-    assert [(v.name, json.loads(v.args)) for k, v in events if k == "tool_call"] == \
+    assert "".join(e.text for e in events if isinstance(e, TextEvent)) == "Let me add them."
+    assert [(e.name, json.loads(e.args)) for e in events if isinstance(e, ToolCallEvent)] == \
         [("add", {"a": 2, "b": 3}), ("mul", {"a": 4})]
     _, calls, invalid = split_tool_calls("<tool_call>{not json</tool_call>", tokenizer)
     assert calls == [] and len(invalid) == 1
     # without bound tools the markup is plain text
     parser = OutputParser(tokenizer, parse_tools=False)
-    assert "".join(v for _, v in parser.feed(output) + parser.finish()) == output
+    assert "".join(e.text for e in parser.feed(output) + parser.finish()) == output
 
 
 # structured output -----------------------------------------------------------------
@@ -329,8 +330,8 @@ def test_think_blocks_go_to_reasoning_content():
     parser = OutputParser(tokenizer)
     text = "<think>\nThe user wants 42.\n</think>\n\nThe answer is 42."
     events = [e for ch in text for e in parser.feed(ch)] + parser.finish()
-    assert "".join(v for k, v in events if k == "reasoning") == "The user wants 42."
-    assert "".join(v for k, v in events if k == "content") == "The answer is 42."
+    assert "".join(e.text for e in events if isinstance(e, ReasoningEvent)) == "The user wants 42."
+    assert "".join(e.text for e in events if isinstance(e, TextEvent)) == "The answer is 42."
 
 
 @pytest.mark.parametrize("how", ["instance", "call", "reasoning"])

@@ -12,7 +12,8 @@ import pytest
 from specprefill_engine import Engine
 from specprefill_engine import gguf as conversion
 from specprefill_engine.prose_tasks import is_right, make_case
-from specprefill_server.calls import build_call, read_events
+from specprefill_engine.engine.call import build_call
+from specprefill_server.calls import fold, served
 
 from conftest import convert_real
 
@@ -83,7 +84,7 @@ def test_qwen_coder_writes_its_call_as_fenced_json_and_it_comes_back_as_a_call(c
     call = build_call(coder_pair, [{"role": "user", "content": "Read the file main.py."}],
                       {"max_tokens": 60, "temperature": 0.0}, tools=[READ_FILE])
     result = coder_pair.generate_sync(call.prompt, **call.options)
-    output = read_events(call.reply(coder_pair.tokenizer, result))
+    output = fold(served(call.reply(coder_pair.tokenizer, result)))
     assert result.text == FENCED_CALL and result.finish_reason == "stop"
     assert output.content == ""
     assert [(c.name, json.loads(c.args)) for c in output.calls] == [("read_file", {"path": "main.py"})]

@@ -10,6 +10,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from langchain_specprefill import ChatSpecPrefill
 from models import ROPE_CASES, save_with_demo_tokenizer
 from specprefill_engine import Engine
+from specprefill_engine.engine.events import TextEvent, ToolCallEvent
 from specprefill_engine.engine.tool_calls import OutputParser
 from specprefill_engine.loading import DEMO_TARGET
 from test_server import ASK, served  # noqa: F401  (served: the fixture)
@@ -34,9 +35,10 @@ def read(tokenizer, text: str, tools=TOOLS, by_char: bool = False) -> tuple:
     parser = OutputParser(tokenizer, parse_tools=True, tools=tools)
     pieces = list(text) if by_char else [text]
     events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish("stop")
-    calls = [(v.name, json.loads(v.args)) for k, v in events if k == "tool_call" and not v.error]
-    invalid = [v for k, v in events if k == "tool_call" and v.error]
-    return "".join(v for k, v in events if k == "content"), calls, invalid
+    tool_calls = [e for e in events if isinstance(e, ToolCallEvent)]
+    calls = [(v.name, json.loads(v.args)) for v in tool_calls if not v.error]
+    invalid = [v for v in tool_calls if v.error]
+    return "".join(e.text for e in events if isinstance(e, TextEvent)), calls, invalid
 
 
 # the parser -----------------------------------------------------------------------
@@ -110,7 +112,7 @@ def test_ordinary_text_is_released_as_it_comes_and_a_block_once_known(tokenizer)
     parser = OutputParser(tokenizer, parse_tools=True, tools=TOOLS)
 
     def content(piece: str) -> str:
-        return "".join(v for k, v in parser.feed(piece) if k == "content")
+        return "".join(e.text for e in parser.feed(piece) if isinstance(e, TextEvent))
 
     assert content("Here is the plan.") == "Here is the plan."
     assert content("\n[1] First") == "\n[1] First"
@@ -123,7 +125,7 @@ def test_ordinary_text_is_released_as_it_comes_and_a_block_once_known(tokenizer)
     assert content("`\nAfter") == ' \n```json\n{"a": 1}\n```\nAfter'
     assert content(f"\n```json\n{CALL[:20]}") == ""
     events = parser.feed(f"{CALL[20:]}\n```") + parser.finish("stop")
-    assert [(k, getattr(v, "name", v)) for k, v in events] == [("tool_call", "read_file")]
+    assert [(type(e), getattr(e, "name", e)) for e in events] == [(ToolCallEvent, "read_file")]
 
 
 # the engine, a tiny random model, the output forced --------------------------------
@@ -141,8 +143,8 @@ def test_a_forced_fenced_call_streamed_from_the_engine_is_read_as_a_call(tmp_pat
                                          response_format={"type": "regex", "regex": regex}))
     assert "".join(c.text for c in chunks) == fenced and len(chunks) > 10
     events = [e for c in chunks for e in parser.feed(c.text)] + parser.finish("stop")
-    assert "".join(v for k, v in events if k == "content") == "Reading it."
-    assert [(v.name, json.loads(v.args)) for k, v in events if k == "tool_call"] == \
+    assert "".join(e.text for e in events if isinstance(e, TextEvent)) == "Reading it."
+    assert [(e.name, json.loads(e.args)) for e in events if isinstance(e, ToolCallEvent)] == \
         [("read_file", {"path": "a.py"})]
 
 

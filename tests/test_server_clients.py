@@ -26,9 +26,11 @@ from chat_templates import DEMO_TEMPLATE, demo_variant
 from models import save_long_context_model
 from specprefill_engine import Engine
 from specprefill_engine.engine.constrained import MAX_PARALLEL_CALLS
-from specprefill_engine.engine.tool_calls import OutputParser, ToolCallEvent
+from specprefill_engine.engine.events import ReasoningEvent, TextEvent, ToolCallEvent
+from specprefill_engine.engine.tool_calls import OutputParser
 from specprefill_server import ServerConfig
 from specprefill_server.anthropic_api import MessagesRequest, messages_call
+from specprefill_server.calls import served as served_events
 from specprefill_server.openai_api import ChatRequest, chat_call
 from specprefill_server.responses_api import Items, ResponsesRequest, _tools, chat_request
 from test_server import ASK, KEY, Served
@@ -140,10 +142,10 @@ def direct(served, path: str, body: dict) -> tuple:
     else:
         call = asyncio.run(chat_call(state, ChatRequest.model_validate(body)))
     result = served.engine.generate_sync(call.prompt, **call.options)
-    events = call.reply(served.engine.tokenizer, result)
-    return ("".join(v for k, v in events if k == "content"),
-            "".join(v for k, v in events if k == "reasoning"),
-            [v.name for k, v in events if k == "tool_call"])
+    events = served_events(call.reply(served.engine.tokenizer, result))
+    return ("".join(e.text for e in events if isinstance(e, TextEvent)),
+            "".join(e.text for e in events if isinstance(e, ReasoningEvent)),
+            [e.name for e in events if isinstance(e, ToolCallEvent)])
 
 
 def replay(served, record: dict) -> tuple:
@@ -249,8 +251,8 @@ def test_a_tool_schema_llguidance_cannot_compile_is_loosened_and_calls_checked(l
     parser = OutputParser(long_served.engine.tokenizer, parse_tools=True, tools=function)
     bad = '<tool_call>\n{"name": "TaskCreate", "arguments": {"subject": "x", "metadata": ' \
           '{"NOT_LOWER": "v"}}}\n</tool_call>'
-    (kind, call), = parser.feed(bad) + parser.finish("stop")
-    assert kind == "tool_call" and "does not match '^[a-z]+$'" in call.error
+    call, = parser.feed(bad) + parser.finish("stop")
+    assert isinstance(call, ToolCallEvent) and "does not match '^[a-z]+$'" in call.error
 
 
 def test_namespace_custom_and_hosted_responses_tools(long_served):
@@ -274,8 +276,8 @@ def test_namespace_custom_and_hosted_responses_tools(long_served):
     # a custom tool's call, as the output items and stream events read it back
     names = _tools(tools)[1]
     items = Items(names)
-    events = items.feed("tool_call", ToolCallEvent(0, "call_1", "apply_patch",
-                                                   json.dumps({"input": "*** Begin Patch"})))
+    events = items.feed(ToolCallEvent(0, "call_1", "apply_patch",
+                                      json.dumps({"input": "*** Begin Patch"})))
     for number, (kind, fields) in enumerate(events):
         RESPONSES_EVENTS.validate_python({"type": kind, "sequence_number": number, **fields})
     custom, = items.done

@@ -30,12 +30,12 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from specprefill_engine import Engine
 
-from specprefill_engine.engine.chat import tool_request, tools_problem
-from specprefill_engine.engine.runtime import EngineConfig
-from specprefill_engine.engine.sampling import SamplingParams, check_keywords
-from specprefill_engine.engine.tool_calls import (
-    OutputParser, ToolsNotSupportedError, check_tool_choice,
-)
+from specprefill_engine.engine import check_request
+from specprefill_engine.engine.call import Call, build_call
+from specprefill_engine.engine.chat import tools_problem
+from specprefill_engine.engine.events import ReasoningEvent, TextEvent
+from specprefill_engine.engine.sampling import check_keywords
+from specprefill_engine.engine.tool_calls import ToolsNotSupportedError, check_tool_choice
 from specprefill_engine.loading import DTYPES, resolve_dtype
 
 from .messages import to_chat_messages
@@ -159,8 +159,8 @@ class ChatSpecPrefill(BaseChatModel):
     def _engine_rules(self) -> "ChatSpecPrefill":
         """The engine's own checks of the request settings, at construction rather than
         at the first call."""
-        EngineConfig(**self._given(("keep", "threshold")))
-        SamplingParams(**self._given(SAMPLING_FIELDS), stop=tuple(self.stop or ()))
+        check_request(**self._given(("keep", "threshold") + SAMPLING_FIELDS),
+                      stop=tuple(self.stop or ()))
         return self
 
     def _given(self, names, kwargs: Optional[dict] = None) -> dict:
@@ -248,10 +248,11 @@ class ChatSpecPrefill(BaseChatModel):
         merged.update(kwargs.get("chat_template_kwargs") or {})
         return merged
 
-    def _request(self, messages: list[BaseMessage], stop: Optional[list[str]], kwargs: dict):
-        """(rendered prompt, engine options, output parser, timeout) for one call. Loads
-        the model on first use and renders the chat template: async callers run it in
-        a thread."""
+    def _request(self, messages: list[BaseMessage], stop: Optional[list[str]],
+                 kwargs: dict) -> tuple:
+        """(the engine call, its output parser, timeout) for one call (`engine/call.py`,
+        as the server builds its calls). Loads the model on first use and renders the
+        chat template: async callers run it in a thread."""
         kwargs = dict(kwargs)
         kwargs.pop("ls_structured_output_format", None)
         if "model" in kwargs:
@@ -264,27 +265,17 @@ class ChatSpecPrefill(BaseChatModel):
         stops = list(self.stop or []) + list(stop or []) + list(kwargs.get("stop") or [])
         if stops:
             options["stop"] = stops
-        tools = kwargs.get("tools") or None
-        response_format = kwargs.get("response_format")
-        choice = "none"
-        engine = self.engine
-        tokenizer = engine.tokenizer
-        if tools:
-            try:
-                choice, response_format = tool_request(
-                    tokenizer, tools, kwargs.get("tool_choice"),
-                    kwargs.get("parallel_tool_calls", self.parallel_tool_calls), response_format)
-            except ToolsNotSupportedError as error:
-                raise ToolsNotSupportedError(f"{self.model_name}: {error}") from None
-        if response_format is not None:
-            budget = kwargs.get("reasoning_budget", self.reasoning_budget)
-            if budget is not None:
-                response_format = {**response_format, "reasoning_budget": budget}
-            options["response_format"] = response_format
-        rendered = engine.render(chat, tools, self._template_kwargs(kwargs))
-        parser = OutputParser(tokenizer, parse_tools=choice != "none", tools=tools,
-                              in_reasoning=rendered.think_open)
-        return rendered, options, parser, kwargs.get("timeout", self.timeout)
+        try:
+            call = build_call(
+                self.engine, chat, options, tools=kwargs.get("tools") or None,
+                tool_choice=kwargs.get("tool_choice"),
+                parallel=kwargs.get("parallel_tool_calls", self.parallel_tool_calls),
+                response_format=kwargs.get("response_format"),
+                reasoning_budget=kwargs.get("reasoning_budget", self.reasoning_budget),
+                template_kwargs=self._template_kwargs(kwargs))
+        except ToolsNotSupportedError as error:
+            raise ToolsNotSupportedError(f"{self.model_name}: {error}") from None
+        return call, call.parser(self.engine.tokenizer), kwargs.get("timeout", self.timeout)
 
     # messages -------------------------------------------------------------------
 
@@ -307,35 +298,36 @@ class ChatSpecPrefill(BaseChatModel):
         }
 
     @staticmethod
-    def _event_chunk(kind: str, value) -> AIMessageChunk:
-        if kind == "content":
-            return AIMessageChunk(content=value)
-        if kind == "reasoning":
-            return AIMessageChunk(content="", additional_kwargs={"reasoning_content": value})
-        call = {"name": value.name, "args": value.args, "id": value.id, "index": value.index,
+    def _event_chunk(event) -> AIMessageChunk:
+        """An output event as a message chunk; an invalid tool call stays one (LangChain
+        has a place for it: invalid_tool_calls)."""
+        if isinstance(event, TextEvent):
+            return AIMessageChunk(content=event.text)
+        if isinstance(event, ReasoningEvent):
+            return AIMessageChunk(content="", additional_kwargs={"reasoning_content": event.text})
+        call = {"name": event.name, "args": event.args, "id": event.id, "index": event.index,
                 "type": "tool_call_chunk"}
-        if value.error is None:
+        if event.error is None:
             return AIMessageChunk(content="", tool_call_chunks=[call])
         # A malformed or truncated call: its raw text as a JSON string, which LangChain
         # files under invalid_tool_calls (raw text could partly parse as an object).
         # LangChain rebuilds invalid calls from chunks without their error, so the
         # error travels in response_metadata and is put back on the final message.
         return AIMessageChunk(content="",
-                              tool_call_chunks=[{**call, "args": json.dumps(value.args)}],
-                              response_metadata={TOOL_CALL_ERRORS: {value.id: value.error}})
+                              tool_call_chunks=[{**call, "args": json.dumps(event.args)}],
+                              response_metadata={TOOL_CALL_ERRORS: {event.id: event.error}})
 
-    def _chunks(self, chunk, parser: OutputParser, timed_out, timeout) -> list:
+    def _chunks(self, chunk, call: Call, parser, timed_out, timeout) -> list:
         """Engine chunk -> message chunks (the last carries usage and metadata). The
         final chunk decides: a request aborted by the timeout raises TimeoutError, one
         that finished is delivered whole."""
-        events = parser.feed(chunk.text)
-        if chunk.finish_reason is None:
-            return [self._event_chunk(kind, value) for kind, value in events]
         if chunk.finish_reason == "abort" and timed_out.is_set():
             raise TimeoutError(f"ChatSpecPrefill request exceeded timeout={timeout}s "
                                "and was aborted")
-        events += parser.finish(chunk.finish_reason)
-        messages = [self._event_chunk(kind, value) for kind, value in events]
+        events = call.read(parser, chunk.text, chunk.finish_reason)
+        messages = [self._event_chunk(event) for event in events]
+        if chunk.finish_reason is None:
+            return messages
         messages.append(AIMessageChunk(content="", usage_metadata=self._usage(chunk.usage),
                                        response_metadata=self._metadata(chunk),
                                        chunk_position="last"))
@@ -365,28 +357,28 @@ class ChatSpecPrefill(BaseChatModel):
     # the four entry points -------------------------------------------------------
 
     def _sync_chunks(self, messages, stop, kwargs) -> Iterator[AIMessageChunk]:
-        prompt, options, parser, timeout = self._request(messages, stop, kwargs)
+        call, parser, timeout = self._request(messages, stop, kwargs)
         request_id = f"lc-{uuid.uuid4().hex[:16]}"
         done, timed_out = threading.Event(), threading.Event()
         timer = self._arm(timeout, request_id, done, timed_out)
         try:
-            for chunk in self.engine.stream_sync(prompt, request_id=request_id, **options):
-                yield from self._chunks(chunk, parser, timed_out, timeout)
+            for chunk in self.engine.stream_sync(call.prompt, request_id=request_id,
+                                                 **call.options):
+                yield from self._chunks(chunk, call, parser, timed_out, timeout)
         finally:
             done.set()
             if timer is not None:
                 timer.cancel()
 
     async def _async_chunks(self, messages, stop, kwargs) -> AsyncIterator[AIMessageChunk]:
-        prompt, options, parser, timeout = await asyncio.to_thread(self._request, messages,
-                                                                   stop, kwargs)
+        call, parser, timeout = await asyncio.to_thread(self._request, messages, stop, kwargs)
         request_id = f"lc-{uuid.uuid4().hex[:16]}"
         done, timed_out = threading.Event(), threading.Event()
         timer = self._arm(timeout, request_id, done, timed_out)
-        stream = self.engine.stream(prompt, request_id=request_id, **options)
+        stream = self.engine.stream(call.prompt, request_id=request_id, **call.options)
         try:
             async for chunk in stream:
-                for message in self._chunks(chunk, parser, timed_out, timeout):
+                for message in self._chunks(chunk, call, parser, timed_out, timeout):
                     yield message
         finally:
             done.set()

@@ -28,12 +28,15 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse
 
+from specprefill_engine.engine.events import ReasoningEvent, TextEvent, ToolCallEvent
+from specprefill_engine.engine.results import Progress
+
 from .calls import (
-    Call, Extensions, Loose, given_options, matched_stop, note_ignored, place_system_messages,
-    prepare, renders_mid_system, report, warn_once,
+    Call, Extensions, Loose, content_text, given_options, matched_stop, note_ignored, part_text,
+    place_system_messages, prepare, renders_mid_system, report, served, warn_once,
 )
 from .errors import APIError, anthropic_body
-from .streaming import EventStream, output_events, whole_result
+from .streaming import End, EventStream, KeepAlive, Opened, output_events, sse_event, whole_result
 
 router = APIRouter()
 CLIENT_TOOL_TYPES = (None, "custom")
@@ -100,16 +103,11 @@ def _server_tool_trace(kind) -> bool:
 
 
 def _block_text(block: dict, where: str) -> str:
-    if block.get("type") != "text":
-        raise APIError(400, f"{where} is a {block.get('type')!r} block; this server serves a "
-                       "text-only model: send text blocks", "messages")
-    return block.get("text") or ""
+    return part_text(block, where, "messages", unit="block")
 
 
 def _texts(blocks, where: str) -> str:
-    if isinstance(blocks, str) or blocks is None:
-        return blocks or ""
-    return "\n".join(_block_text(b, f"{where}[{i}]") for i, b in enumerate(blocks))
+    return content_text(blocks, where, "messages", unit="block", sep="\n")
 
 
 def _user(blocks: list, where: str, chat: list) -> None:
@@ -285,33 +283,28 @@ def tool_use(call) -> dict:
 def blocks(events: list) -> list:
     """Content blocks in the order written: runs of text or thinking, then each call."""
     out = []
-    for kind, value in events:
-        if kind == "tool_call" and value.error is None:
-            out.append(tool_use(value))
+    for event in events:
+        if isinstance(event, ToolCallEvent):
+            out.append(tool_use(event))
             continue
-        kind, text = ("content", value.args) if kind == "tool_call" else (kind, value)
-        block_type, key = ("thinking", "thinking") if kind == "reasoning" else ("text", "text")
+        block_type = "thinking" if isinstance(event, ReasoningEvent) else "text"
         if out and out[-1]["type"] == block_type:
-            out[-1][key] += text
+            out[-1][block_type] += event.text
         else:
-            out.append({"type": block_type, key: text} | (
+            out.append({"type": block_type, block_type: event.text} | (
                 {"signature": ""} if block_type == "thinking" else {}))
     return out
 
 
-def sse(event: str, data: dict) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
-
-
 def stream_error(error: APIError) -> bytes:
-    return sse("error", anthropic_body(error))
+    return sse_event("error", anthropic_body(error))
 
 
-PING = sse("ping", {"type": "ping"})
+PING = sse_event("ping", {"type": "ping"})
 
 
 async def message_stream(state, body: MessagesRequest, call: Call, message_id: str):
-    start = sse("message_start", {"type": "message_start", "message": {
+    start = sse_event("message_start", {"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
         "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": 0, "output_tokens": 0, "cache_creation_input_tokens": 0,
@@ -321,49 +314,51 @@ async def message_stream(state, body: MessagesRequest, call: Call, message_id: s
     def close() -> bytes:
         nonlocal open_type
         open_type = None
-        return sse("content_block_stop", {"type": "content_block_stop", "index": index})
+        return sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
 
-    async for kind, value in output_events(state.engine, state.gate, call, message_id,
-                                           state.config.keepalive, body.progress):
-        if kind == "open":
+    async for event in output_events(state.engine, state.gate, call, message_id,
+                                     state.config.keepalive, body.progress):
+        if isinstance(event, Opened):
             yield start
-        elif kind == "ping":
+        elif isinstance(event, KeepAlive):
             yield PING
-        elif kind == "progress":
-            yield sse("ping", {"type": "ping", "progress": asdict(value)})
-        elif kind == "tool_call" and value.error is None:
+        elif isinstance(event, Progress):
+            yield sse_event("ping", {"type": "ping", "progress": asdict(event)})
+        elif isinstance(event, ToolCallEvent):
             called = True
             if open_type is not None:
                 yield close()
             index += 1
-            yield sse("content_block_start", {"type": "content_block_start", "index": index,
-                                              "content_block": dict(tool_use(value), input={})})
-            yield sse("content_block_delta", {"type": "content_block_delta", "index": index,
-                                              "delta": {"type": "input_json_delta",
-                                                        "partial_json": value.args}})
+            yield sse_event("content_block_start", {
+                "type": "content_block_start", "index": index,
+                "content_block": dict(tool_use(event), input={})})
+            yield sse_event("content_block_delta", {
+                "type": "content_block_delta", "index": index,
+                "delta": {"type": "input_json_delta", "partial_json": event.args}})
             yield close()
-        elif kind in ("content", "reasoning", "tool_call"):
-            text = value.args if kind == "tool_call" else value
-            block_type = "thinking" if kind == "reasoning" else "text"
+        elif isinstance(event, (TextEvent, ReasoningEvent)):
+            text = event.text
+            block_type = "thinking" if isinstance(event, ReasoningEvent) else "text"
             if open_type != block_type:
                 if open_type is not None:
                     yield close()
                 index, open_type = index + 1, block_type
                 block = {"type": "thinking", "thinking": "", "signature": ""} \
                     if block_type == "thinking" else {"type": "text", "text": ""}
-                yield sse("content_block_start", {"type": "content_block_start",
-                                                  "index": index, "content_block": block})
+                yield sse_event("content_block_start", {"type": "content_block_start",
+                                                        "index": index, "content_block": block})
             delta = {"type": "thinking_delta", "thinking": text} if block_type == "thinking" \
                 else {"type": "text_delta", "text": text}
-            yield sse("content_block_delta", {"type": "content_block_delta", "index": index,
-                                              "delta": delta})
-        else:  # the end
+            yield sse_event("content_block_delta", {"type": "content_block_delta",
+                                                    "index": index, "delta": delta})
+        elif isinstance(event, End):
+            final = event.final
             if open_type is not None:
                 yield close()
-            yield sse("message_delta", {
-                "type": "message_delta", "delta": stop(state, call, value, called),
-                "usage": usage(value.usage), **report(value), "warnings": value.warnings})
-            yield sse("message_stop", {"type": "message_stop"})
+            yield sse_event("message_delta", {
+                "type": "message_delta", "delta": stop(state, call, final, called),
+                "usage": usage(final.usage), **report(final), "warnings": final.warnings})
+            yield sse_event("message_stop", {"type": "message_stop"})
 
 
 @router.post("/v1/messages")
@@ -376,7 +371,7 @@ async def messages(body: MessagesRequest, request: Request):
         return EventStream(message_stream(state, body, call, message_id), stream_error,
                            MessagesRequest.model_fields)
     result = await whole_result(request, call, message_id)
-    content = blocks(call.reply(state.engine.tokenizer, result))
+    content = blocks(served(call.reply(state.engine.tokenizer, result)))
     called = any(block["type"] == "tool_use" for block in content)
     return JSONResponse({
         "id": message_id, "type": "message", "role": "assistant", "model": state.model_name,

@@ -1,15 +1,9 @@
-"""What the chat APIs share: one engine call from a request's messages, tools and
-formats, and the reading of its output (content, reasoning, tool calls).
+"""What the APIs share beyond the engine's call (`engine/call.py`): reading a request
+(its unknown fields, system messages, text parts, engine settings) and reading the
+output as these APIs serve it (`served`, `fold`).
 
-Tool choice is enforced as `ChatSpecPrefill` does it, by the same functions
-(`engine/tool_calls.py`): a forced choice ("required" or a tool's name) becomes the
-engine's constrained `tool_call` format in the model's own call markup (Hermes JSON,
-Qwen3-Coder XML, GLM 4.7); "auto" is constrained too in those formats (free text, and
-any call the model starts is a valid one), parsed only in others; "none" shows the
-tools and parses no calls. An explicit `response_format` wins over the tool format.
-`prepare` renders the chat template once (`engine/chat.py`: the prompt's tokens and
-whether it opens a think block) in a thread, since tokenizing a long prompt takes
-milliseconds; the engine compiles the grammar when it takes the request, and refuses
+`prepare` builds the engine's call in a thread (rendering a long prompt takes
+milliseconds); the engine compiles the grammar when it takes the request, and refuses
 one that does not compile with a ValueError naming response_format (a 400 here).
 """
 
@@ -19,12 +13,12 @@ import logging
 import threading
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from specprefill_engine.engine.chat import Rendered, tool_request
-from specprefill_engine.engine.tool_calls import OutputParser
+from specprefill_engine.engine.call import Call, build_call
+from specprefill_engine.engine.events import ReasoningEvent, TextEvent, ToolCallEvent
 
 from .errors import APIError
 
@@ -111,6 +105,26 @@ def place_system_messages(chat: list, in_place: bool) -> list:
     return out
 
 
+def part_text(part: dict, where: str, param: str, texts: tuple = ("text",),
+              unit: str = "part") -> str:
+    """The text of a content part of one of the types `texts`; any other is a 400 naming
+    it: the model reads text only."""
+    if part.get("type") not in texts:
+        raise APIError(400, f"{where} is a {part.get('type')!r} {unit}; this server serves a "
+                       f"text-only model: send {texts[0]} {unit}s", param)
+    return part.get("text") or ""
+
+
+def content_text(content, where: str, param: str, texts: tuple = ("text",), skip: tuple = (),
+                 unit: str = "part", sep: str = "") -> str:
+    """A message's content as text: a string, or its parts' texts (`part_text`) joined by
+    `sep`; parts of the types `skip` carry none."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return sep.join(part_text(part, f"{where}[{index}]", param, texts, unit)
+                    for index, part in enumerate(content) if part.get("type") not in skip)
+
+
 class Extensions(BaseModel):
     """Request fields every API takes beyond its own: engine sampling settings,
     SpecPrefill per request, and `progress` (prefill progress in place of keep-alives)."""
@@ -138,39 +152,18 @@ def report(final) -> dict:
     return {"specprefill": asdict(final.specprefill), "timings": asdict(final.timings)}
 
 
-@dataclass
-class Call:
-    """One engine request: the prompt, the engine's keyword arguments, how to read it."""
-
-    prompt: Union[str, list, Rendered]
-    options: dict
-    tools: Optional[list] = None
-    parse_tools: bool = False
-    stops: tuple = ()
-    raw: bool = False  # plain completions: the text as written, no markup read
-
-    def parser(self, tokenizer) -> Optional[OutputParser]:
-        if self.raw:
-            return None
-        in_reasoning = isinstance(self.prompt, Rendered) and self.prompt.think_open
-        return OutputParser(tokenizer, parse_tools=self.parse_tools, tools=self.tools,
-                            in_reasoning=in_reasoning)
-
-    def read(self, parser: Optional[OutputParser], text: str,
-             finish_reason: Optional[str]) -> list:
-        """Events of a piece of output (a `finish_reason`: the end, flush what was held)."""
-        if parser is None:
-            return [("content", text)] if text else []
-        events = parser.feed(text)
-        if finish_reason is not None:
-            events += parser.finish(finish_reason)
-        # a call the output ended inside has no place in these APIs, nor in the text
-        return [(kind, value) for kind, value in events
-                if kind != "tool_call" or not value.cut]
-
-    def reply(self, tokenizer, result) -> list:
-        """Events of a whole reply (a Result)."""
-        return self.read(self.parser(tokenizer), result.text, result.finish_reason)
+def served(events: list) -> list:
+    """The events as these APIs serve them: a call the output ended inside is dropped
+    (it has no place in them, nor in the text), one that did not parse comes back as
+    the text the model wrote (the APIs have no place for an invalid call)."""
+    out = []
+    for event in events:
+        if isinstance(event, ToolCallEvent) and event.error is not None:
+            if not event.cut:
+                out.append(TextEvent(event.args))
+        else:
+            out.append(event)
+    return out
 
 
 @dataclass
@@ -182,46 +175,26 @@ class Output:
     calls: list = field(default_factory=list)  # ToolCallEvent, valid ones
 
 
-def read_events(events: list) -> Output:
-    """Fold parser events into an Output. A call that did not parse (a malformed one)
-    comes back as text: the APIs have no place for an invalid call (one the output
-    ended inside is dropped by `Call.read`)."""
+def fold(events: list) -> Output:
+    """`served` events folded into an Output."""
     output = Output()
-    for kind, value in events:
-        if kind == "content":
-            output.content += value
-        elif kind == "reasoning":
-            output.reasoning += value
-        elif value.error is None:
-            output.calls.append(value)
+    for event in events:
+        if isinstance(event, TextEvent):
+            output.content += event.text
+        elif isinstance(event, ReasoningEvent):
+            output.reasoning += event.text
         else:
-            output.content += value.args
+            output.calls.append(event)
     return output
 
 
-def build_call(engine, chat: list, options: dict, *, tools: Optional[list] = None,
-               choice="auto", parallel: bool = True, response_format: Optional[dict] = None,
-               template_kwargs: Optional[dict] = None) -> Call:
-    """An engine call for chat messages (OpenAI-style dicts), with tools already in
-    OpenAI's function form and `choice` as `check_tool_choice` takes it."""
-    tokenizer = engine.tokenizer
-    options = dict(options)
-    parse_tools = False
-    if tools:
-        choice, response_format = tool_request(tokenizer, tools, choice, parallel,
-                                               response_format)  # its errors name the field
-        parse_tools = choice != "none"
-    elif choice not in (None, "auto", "none"):
-        raise APIError(400, f"tool_choice is {choice!r} but no tools are given", "tool_choice")
-    if response_format is not None:
-        options["response_format"] = response_format
-    rendered = engine.render(chat, tools, template_kwargs)
-    return Call(rendered, options, tools, parse_tools, tuple(options.get("stop") or ()))
-
-
-async def prepare(engine, chat: list, options: dict, **how) -> Call:
+async def prepare(engine, chat: list, options: dict, *, tools: Optional[list] = None,
+                  choice="auto", **how) -> Call:
     """`build_call` in a thread (it renders and tokenizes the prompt)."""
-    return await asyncio.to_thread(build_call, engine, chat, options, **how)
+    if not tools and choice not in (None, "auto", "none"):
+        raise APIError(400, f"tool_choice is {choice!r} but no tools are given", "tool_choice")
+    return await asyncio.to_thread(build_call, engine, chat, options, tools=tools,
+                                   tool_choice=choice, **how)
 
 
 def matched_stop(tokenizer, token_ids: list, stops: tuple) -> Optional[str]:

@@ -29,11 +29,19 @@ from mlx_lm.sample_utils import make_logits_processors
 from pydantic import ConfigDict, Field
 from starlette.responses import JSONResponse
 
+from specprefill_engine.engine.events import ReasoningEvent, TextEvent, ToolCallEvent
+from specprefill_engine.engine.results import Progress
 from specprefill_engine.engine.sampling import MAX_LOGPROBS, SamplingParams
 
-from .calls import Call, Extensions, Loose, given_options, note_ignored, prepare, read_events, report
+from .calls import (
+    Call, Extensions, Loose, content_text, fold, given_options, note_ignored, prepare, report,
+    served,
+)
 from .errors import APIError, openai_body
-from .streaming import EventStream, merged, output_events, whole_results
+from .streaming import (
+    KEEP_ALIVE, End, EventStream, KeepAlive, Logprobs, Opened, merged, output_events, sse_event,
+    whole_results,
+)
 
 router = APIRouter()
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -262,20 +270,6 @@ def warnings_of(results: list) -> list:
 # chat completions ------------------------------------------------------------------
 
 
-def _text(content, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for index, part in enumerate(content):
-        kind = part.get("type")
-        if kind == "text":
-            parts.append(part.get("text") or "")
-        elif kind != "refusal":
-            raise APIError(400, f"{where}[{index}] is a {kind!r} part; this server serves a "
-                           "text-only model: send text parts", "messages")
-    return "".join(parts)
-
-
 def chat_messages(messages: list, developer_role: bool) -> list:
     """OpenAI messages -> the dicts chat templates take."""
     chat = []
@@ -283,7 +277,8 @@ def chat_messages(messages: list, developer_role: bool) -> list:
         role = message.role
         if role == "developer" and not developer_role:
             role = "system"  # templates that know no developer role show it as system
-        entry = {"role": role, "content": _text(message.content, f"messages[{index}].content")}
+        entry = {"role": role, "content": content_text(
+            message.content, f"messages[{index}].content", "messages", skip=("refusal",))}
         if message.tool_calls:
             entry["tool_calls"] = [
                 {"id": call.id, "type": "function", "function": {
@@ -343,15 +338,15 @@ def _finish(reason: str, calls: bool) -> str:
 
 
 def stream_error(error: APIError) -> bytes:
-    return b"data: " + json.dumps(openai_body(error)).encode() + b"\n\n"
+    return sse_event(None, openai_body(error))
 
 
 async def sse(state, body: Common, rows: list, response_id: str, object_: str, make_choice,
               opening=None):
     """The SSE frame both endpoints share, over the `rows` (Call, request id) of the `n`
     choices: `opening(index)` (None: a comment) once the engine has a row, keep-alives and
-    progress while the prefill runs, `choice(kind, value, logprobs)` -> the choice JSON
-    text of one output event (`make_choice(index)` makes one per row; `logprobs`: the
+    progress while the prefill runs, `choice(event, logprobs)` -> the choice JSON text of
+    one output event or `End` (`make_choice(index)` makes one per row; `logprobs`: the
     row's TokenLogprobs since its last choice, None unasked), the engine's report after a
     row's last one, the usage chunk (every row's summed), `[DONE]`."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -363,24 +358,24 @@ async def sse(state, body: Common, rows: list, response_id: str, object_: str, m
     finals = []
     streams = [output_events(state.engine, state.gate, call, request_id, state.config.keepalive,
                              body.progress) for call, request_id in rows]
-    async for index, (kind, value) in merged(streams):
-        if kind == "logprobs":
-            unsent[index] = (unsent[index] or []) + value
-        elif kind == "ping" or (kind == "open" and opening is None):
-            yield b": keep-alive\n\n"
-        elif kind == "open":
+    async for index, event in merged(streams):
+        if isinstance(event, Logprobs):
+            unsent[index] = (unsent[index] or []) + event.values
+        elif isinstance(event, KeepAlive) or (isinstance(event, Opened) and opening is None):
+            yield KEEP_ALIVE
+        elif isinstance(event, Opened):
             yield f'{head}"choices":[{opening(index)}]{tail}'.encode()
-        elif kind == "progress":
-            yield f'{head}"choices":[],"progress":{json.dumps(asdict(value))}{tail}'.encode()
+        elif isinstance(event, Progress):
+            yield f'{head}"choices":[],"progress":{json.dumps(asdict(event))}{tail}'.encode()
         else:
             logprobs, unsent[index] = unsent[index], None if unsent[index] is None else []
-            text = choices[index](kind, value, logprobs)
-            if kind != "end":
+            text = choices[index](event, logprobs)
+            if not isinstance(event, End):
                 yield f'{head}"choices":[{text}]{tail}'.encode()
                 continue
-            extra = json.dumps(report(value))[1:-1]
+            extra = json.dumps(report(event.final))[1:-1]
             yield f'{head}"choices":[{text}],{extra}{tail}'.encode()
-            finals.append(value)
+            finals.append(event.final)
     if include_usage:
         yield f'{head}"choices":[],"usage":{json.dumps(usage(summed_usage(finals)))}}}\n\n'.encode()
     yield b"data: [DONE]\n\n"
@@ -401,18 +396,18 @@ def chat_choices(tokenizer):
     def make_choice(index: int):
         called = False
 
-        def choice(kind: str, value, logprobs=None) -> str:
+        def choice(event, logprobs=None) -> str:
             nonlocal called
             finish = "null"
-            if kind == "content" or (kind == "tool_call" and value.error is not None):
-                text = '{"content":%s}' % json.dumps(value if kind == "content" else value.args)
-            elif kind == "reasoning":
-                text = '{"reasoning_content":%s}' % json.dumps(value)
-            elif kind == "tool_call":
+            if isinstance(event, TextEvent):
+                text = '{"content":%s}' % json.dumps(event.text)
+            elif isinstance(event, ReasoningEvent):
+                text = '{"reasoning_content":%s}' % json.dumps(event.text)
+            elif isinstance(event, ToolCallEvent):
                 called = True
-                text = json.dumps({"tool_calls": [dict(_call_json(value), index=value.index)]})
+                text = json.dumps({"tool_calls": [dict(_call_json(event), index=event.index)]})
             else:
-                text, finish = "{}", json.dumps(_finish(value.finish_reason, called))
+                text, finish = "{}", json.dumps(_finish(event.final.finish_reason, called))
             return _delta(text, finish, index, json.dumps(chat_logprobs(tokenizer, logprobs)))
 
         return choice
@@ -424,7 +419,7 @@ def chat_reply(state, call: Call, response_id: str, results: list) -> JSONRespon
     tokenizer = state.engine.tokenizer
     choices = []
     for index, result in enumerate(results):
-        output = read_events(call.reply(tokenizer, result))
+        output = fold(served(call.reply(tokenizer, result)))
         message = {"role": "assistant", "content": output.content or
                    (None if output.calls else ""), "refusal": None}
         if output.reasoning:
@@ -471,10 +466,12 @@ def text_choices(tokenizer):
     def make_choice(index: int):
         offset = 0  # the text so far, for logprobs' text_offset
 
-        def choice(kind: str, value, logprobs=None) -> str:
+        def choice(event, logprobs=None) -> str:
             nonlocal offset
-            text, finish = (value, None) if kind == "content" else ("", FINISH.get(
-                value.finish_reason, value.finish_reason))
+            if isinstance(event, TextEvent):
+                text, finish = event.text, None
+            else:
+                text, finish = "", FINISH.get(event.final.finish_reason, event.final.finish_reason)
             lp = completion_logprobs(tokenizer, logprobs, offset)
             offset += sum(len(token) for token in lp["tokens"]) if lp else 0
             return (f'{{"text":{json.dumps(text)},"index":{index},"logprobs":{json.dumps(lp)},'
@@ -491,7 +488,7 @@ async def completions(body: CompletionRequest, request: Request):
     note_ignored(request, body)
     tokenizer = state.engine.tokenizer
     options = engine_options(body, state.engine.info, body.max_tokens or COMPLETION_MAX_TOKENS)
-    call = Call(_prompt(body.prompt), options, stops=tuple(options.get("stop") or ()), raw=True)
+    call = Call(_prompt(body.prompt), options)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     rows = choice_rows(state, body, call, response_id)
     if body.stream:

@@ -37,12 +37,17 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
-from .calls import Call, Extensions, Loose, note_ignored, report, warn_once
+from specprefill_engine.engine.events import ReasoningEvent, ToolCallEvent
+from specprefill_engine.engine.results import Progress
+
+from .calls import Call, Extensions, Loose, content_text, note_ignored, report, served, warn_once
 from .errors import APIError
 from .openai_api import (
     CalledFunction, ChatRequest, Function, Message, Tool, ToolCall, chat_call, response_format,
 )
-from .streaming import EventStream, output_events, whole_result
+from .streaming import (
+    KEEP_ALIVE, End, EventStream, KeepAlive, Opened, output_events, sse_event, whole_result,
+)
 
 router = APIRouter()
 ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the one `include` served (a no-op)
@@ -194,17 +199,8 @@ def _validated(model: type[BaseModel], raw, where: str, param: str):
 
 
 def _text(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for index, part in enumerate(content):
-        kind = part.get("type")
-        if kind in ("input_text", "output_text"):
-            parts.append(part.get("text") or "")
-        elif kind != "refusal":
-            raise APIError(400, f"{where}[{index}] is a {kind!r} part; this server serves a "
-                           "text-only model: send input_text parts", "input")
-    return "".join(parts)
+    return content_text(content, where, "input", texts=("input_text", "output_text"),
+                        skip=("refusal",))
 
 
 def _item(raw, where: str):
@@ -351,9 +347,9 @@ def chat_request(body: ResponsesRequest) -> tuple:
 
 
 class Items:
-    """Output items from the parser's events, in the order the model wrote them. Each
-    step returns the stream events (type, fields) it makes; `done` holds the finished
-    items, the response's `output`."""
+    """Output items from the `served` output events, in the order the model wrote them.
+    Each step returns the stream events (type, fields) it makes; `done` holds the
+    finished items, the response's `output`."""
 
     def __init__(self, names: Optional[ToolNames] = None):
         self.done: list = []
@@ -369,18 +365,17 @@ class Items:
             return {"type": "reasoning_text", "text": text}
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def feed(self, kind: str, value) -> list:
-        if kind == "tool_call" and value.error is None:
-            return self.close() + self._call(value)
-        if kind == "tool_call":  # a call that did not parse comes back as text
-            kind, value = "content", value.args
-        wanted = "reasoning" if kind == "reasoning" else "message"
+    def feed(self, event) -> list:
+        """Take a `served` output event."""
+        if isinstance(event, ToolCallEvent):
+            return self.close() + self._call(event)
+        wanted = "reasoning" if isinstance(event, ReasoningEvent) else "message"
         events = []
         if self.open is None or self.open["type"] != wanted:
             events = self.close() + self._start(wanted)
-        self.text += value
+        self.text += event.text
         delta = "reasoning_text" if wanted == "reasoning" else "output_text"
-        fields = dict(self._ids(self.open), content_index=0, delta=value)
+        fields = dict(self._ids(self.open), content_index=0, delta=event.text)
         if wanted == "message":
             fields["logprobs"] = []
         return events + [(f"response.{delta}.delta", fields)]
@@ -496,32 +491,32 @@ class ResponseStream:
     def sse(self, kind: str, fields: dict) -> bytes:
         data = {"type": kind, "sequence_number": self.number, **fields}
         self.number += 1
-        return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+        return sse_event(kind, data)
 
     def _all(self, events: list) -> bytes:
         return b"".join(self.sse(kind, fields) for kind, fields in events)
 
     async def events(self):
         state = self.state
-        async for kind, value in output_events(state.engine, state.gate, self.call,
-                                               self.base["id"], state.config.keepalive,
-                                               self.body.progress):
-            if kind == "open":
+        async for event in output_events(state.engine, state.gate, self.call, self.base["id"],
+                                         state.config.keepalive, self.body.progress):
+            if isinstance(event, Opened):
                 yield self.sse("response.created", {"response": self.base}) + \
                     self.sse("response.in_progress", {"response": self.base})
-            elif kind == "ping":
-                yield b": keep-alive\n\n"
-            elif kind == "progress":
+            elif isinstance(event, KeepAlive):
+                yield KEEP_ALIVE
+            elif isinstance(event, Progress):
                 yield self.sse("response.in_progress", {"response": self.base,
-                                                        "progress": asdict(value)})
-            elif kind == "end":
-                events = self._all(self.items.end(value))
-                response = await asyncio.to_thread(finished, state, self.base, self.items, value)
+                                                        "progress": asdict(event)})
+            elif isinstance(event, End):
+                final = event.final
+                events = self._all(self.items.end(final))
+                response = await asyncio.to_thread(finished, state, self.base, self.items, final)
                 done = "response.incomplete" if response["status"] == "incomplete" \
                     else "response.completed"
                 yield events + self.sse(done, {"response": response})
             else:
-                yield self._all(self.items.feed(kind, value))
+                yield self._all(self.items.feed(event))
 
     def error(self, error: APIError) -> bytes:
         failed = dict(self.base, status="failed", output=self.items.done,
@@ -543,7 +538,7 @@ async def responses(body: ResponsesRequest, request: Request):
         return EventStream(stream.events(), stream.error, ResponsesRequest.model_fields)
     result = await whole_result(request, call, base["id"])
     items = Items(names)
-    for kind, value in call.reply(state.engine.tokenizer, result):
-        items.feed(kind, value)
+    for event in served(call.reply(state.engine.tokenizer, result)):
+        items.feed(event)
     items.end(result)
     return JSONResponse(await asyncio.to_thread(finished, state, base, items, result))

@@ -11,20 +11,52 @@ request's task, and leaving the engine's stream aborts the request on the worker
 
 import asyncio
 import contextlib
+import json
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable, Optional
 
 from starlette.responses import JSONResponse, Response
 
-from specprefill_engine.engine.results import Result
+from specprefill_engine.engine.results import Chunk, Result
 
-from .calls import Call
+from .calls import Call, served
 from .errors import APIError, classify, error_body
 
 logger = logging.getLogger(__name__)
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it
 OPEN_POLL_S = 0.001  # the first look at whether the engine has taken a request
+
+
+def sse_event(event: Optional[str], data) -> bytes:
+    """One server-sent event: `data` as JSON, named `event` (None: unnamed)."""
+    name = f"event: {event}\n" if event else ""
+    return f"{name}data: {json.dumps(data)}\n\n".encode()
+
+
+@dataclass
+class Opened:
+    """The engine has taken the request: it is valid, the response's headers can go."""
+
+
+@dataclass
+class KeepAlive:
+    """The request still waits for its first token."""
+
+
+@dataclass
+class Logprobs:
+    """The TokenLogprobs of the chunk whose output events follow."""
+
+    values: list
+
+
+@dataclass
+class End:
+    """The last chunk, its token_ids those of the whole reply."""
+
+    final: Chunk
 
 
 class ClientGone(Exception):
@@ -82,14 +114,12 @@ def log_warnings(request_id: str, warnings: list) -> None:
 
 
 async def output_events(engine, gate: Gate, call: Call, request_id: str, keepalive: float,
-                        progress: bool = False) -> AsyncIterator[tuple]:
-    """A streamed request as events: ("open", None) once the engine has taken it (the
-    response's headers can go: the request is valid), then, while it waits for its first
-    token, ("ping", None) every `keepalive` seconds, or ("progress", Progress) when the
-    client asked for it and the prefill moved; then the parser's ("content" |
-    "reasoning" | "tool_call", value) events, each chunk's led by ("logprobs", its
-    TokenLogprobs) when the call asked for them, then ("end", final chunk, its token_ids
-    those of the whole reply). Whether the engine has it is polled at 1, 2, 4, ... ms:
+                        progress: bool = False) -> AsyncIterator[object]:
+    """A streamed request as events: `Opened` once the engine has taken it, then, while
+    it waits for its first token, `KeepAlive` every `keepalive` seconds, or the engine's
+    `Progress` when the client asked for it and the prefill moved; then the output's
+    `served` events (`engine/events.py`), each chunk's led by `Logprobs` when the call
+    asked for them, then `End`. Whether the engine has it is polled at 1, 2, 4, ... ms:
     the headers then reach the client while the prefill runs, not with the first token."""
     with gate.admitted(request_id):
         parser = call.parser(engine.tokenizer)
@@ -103,29 +133,29 @@ async def output_events(engine, gate: Gate, call: Call, request_id: str, keepali
                 if not opened:
                     if seen or request_id in engine.active_request_ids:
                         opened, wait = True, keepalive
-                        yield "open", None
+                        yield Opened()
                     else:
                         wait = min(wait * 2, keepalive)
                 elif progress and len(seen) > sent:
                     sent = len(seen)
-                    yield "progress", seen[-1]
+                    yield seen[-1]
                 else:
-                    yield "ping", None
+                    yield KeepAlive()
             chunk = pending.result()
             if not opened:
-                yield "open", None
+                yield Opened()
             tokens = []
             while True:
                 tokens += chunk.token_ids
                 if chunk.logprobs is not None:
-                    yield "logprobs", chunk.logprobs
-                for event in call.read(parser, chunk.text, chunk.finish_reason):
+                    yield Logprobs(chunk.logprobs)
+                for event in served(call.read(parser, chunk.text, chunk.finish_reason)):
                     yield event
                 if chunk.finish_reason is not None:
                     if chunk.finish_reason == "abort":
                         raise gate.aborted()
                     log_warnings(request_id, chunk.warnings)
-                    yield "end", replace(chunk, token_ids=tokens)
+                    yield End(replace(chunk, token_ids=tokens))
                     return
                 chunk = await chunks.__anext__()
         finally:

@@ -1,10 +1,11 @@
 """The asyncio engine: one MLX worker thread, generate and stream, cancellation."""
 
-from .engine import Engine
+from .engine import Engine, check_request
 from .results import Chunk, Result, SpecPrefillReport, Timings, TokenLogprob, Usage
 from .runtime import EngineConfig, EngineInfo
 from .sampling import SamplingParams
 from .worker import EngineFailedError, RequestFailedError
 
 __all__ = ["Chunk", "Engine", "EngineConfig", "EngineFailedError", "EngineInfo", "RequestFailedError",
-           "Result", "SamplingParams", "SpecPrefillReport", "Timings", "TokenLogprob", "Usage"]
+           "Result", "SamplingParams", "SpecPrefillReport", "Timings", "TokenLogprob", "Usage",
+           "check_request"]

@@ -79,14 +79,25 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: Optional[
     return np.asarray(ids, dtype=np.int32), rendered
 
 
-def _check_options(specprefill, keep, threshold, tools, on_progress, chat_template_kwargs,
-                   chat):
+def _check_specprefill(specprefill, keep, threshold) -> None:
     if specprefill not in (None, True, False):
         raise TypeError(f"specprefill must be None, True or False, got {specprefill!r}")
     if keep is not None:
         check_keep(keep)
     if threshold is not None:
         check_count(threshold, "threshold")
+
+
+def check_request(specprefill=None, keep=None, threshold=None, **sampling) -> SamplingParams:
+    """A request's SpecPrefill and sampling settings, checked as the engine checks a
+    request's, with no engine: an integration checks its settings when it is made."""
+    _check_specprefill(specprefill, keep, threshold)
+    return SamplingParams(**sampling)
+
+
+def _check_options(specprefill, keep, threshold, tools, on_progress, chat_template_kwargs,
+                   chat):
+    _check_specprefill(specprefill, keep, threshold)
     if tools is not None and not (isinstance(tools, (list, tuple))
                                   and all(isinstance(t, dict) for t in tools)):
         raise TypeError("tools must be a list of tool schemas (dicts)")

@@ -4,9 +4,9 @@ LangChain chat model and the HTTP server).
 mlx-lm's tokenizer wrapper knows the model family's tool-call markers
 (`tool_call_start` / `tool_call_end`) and a `tool_parser` for what lies between
 them; think markers come from the wrapper too (`<think>` / `</think>` otherwise).
-`OutputParser` is fed text as it streams and returns events as soon as they are
-certain: content and reasoning text (a possible partial marker at the end is held
-back), and each tool call once its end marker arrives. Markup never reaches the
+`OutputParser` is fed text as it streams and returns events (`events.py`) as soon as
+they are certain: content and reasoning text (a possible partial marker at the end is
+held back), and each tool call once its end marker arrives. Markup never reaches the
 content; whitespace next to a removed block is dropped, other text is kept exactly.
 Every entry point (invoke, stream, ...) runs the same parser, so they agree. A call
 that does not parse, names no bound tool, or is cut before its end marker is an
@@ -36,6 +36,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .events import ReasoningEvent, TextEvent, ToolCallEvent
+
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_FORMATS = ("json_tools", "qwen3_coder", "glm47")  # formats with a call grammar
 FENCE_WORDS = ("", "json", "tool_call", "tool_calls")  # fenced blocks that may hold calls
@@ -47,6 +49,7 @@ _SPACE = re.compile(r"\s*")
 _STRUCTURE = re.compile(r'["{}\[\]]')  # what counts in JSON outside strings
 _IN_STRING = re.compile(r'["\\]')  # and inside them
 _CALL_KEYS = {"name", "arguments", "parameters", "id", "type"}
+_TEXT = {"content": TextEvent, "reasoning": ReasoningEvent}  # a channel's event type
 
 
 class ToolsNotSupportedError(ValueError):
@@ -136,18 +139,6 @@ def schema_problem(arguments: dict, schema: Optional[dict]) -> Optional[str]:
     return None if error is None else f"{error.json_path}: {error.message}"
 
 
-@dataclass
-class ToolCallEvent:
-    """A complete (or, at the end of the output, unterminated) tool call."""
-
-    index: int
-    id: str
-    name: Optional[str]
-    args: str  # JSON text of the arguments; not JSON when the call was malformed
-    error: Optional[str] = None
-    cut: bool = False  # the output ended inside the call (max_tokens, a stop string, ...)
-
-
 class _Channel:
     """Text of one kind; drops whitespace next to removed markup, keeps the rest."""
 
@@ -202,15 +193,13 @@ class OutputParser:
         self.in_code = False  # inside a fenced block that holds no calls
         self.scanned = None  # how far _json_end read the held text: (start, at, depth, in string)
 
-    # events: ("content", text) | ("reasoning", text) | ("tool_call", ToolCallEvent)
-
     def _emit(self, kind: str, text: str, out: list) -> None:
         if kind == "content" and text:
             _, newline, line = text.rpartition("\n")
             self.line_start = not line.strip(" \t") and (bool(newline) or self.line_start)
         text = self.channels[kind].feed(text)
         if text:
-            out.append((kind, text))
+            out.append(_TEXT[kind](text))
 
     @staticmethod
     def _partial_suffix(text: str, markers) -> int:
@@ -253,16 +242,16 @@ class OutputParser:
             reason = f"{type(error).__name__}: {error}"
             if cut:
                 reason = f"the call was cut before {self.call_end!r} ({cut}); {reason}"
-            out.append(("tool_call", ToolCallEvent(index, new_call_id(), None, body.strip(),
-                                                   reason, cut=bool(cut))))
+            out.append(ToolCallEvent(index, new_call_id(), None, body.strip(), reason,
+                                     cut=bool(cut)))
             self.n_calls = index + 1
             return
         self._calls(calls, out)
 
     def _calls(self, calls: list, out: list) -> None:
         for name, arguments in calls:
-            out.append(("tool_call", ToolCallEvent(self.n_calls, new_call_id(), name,
-                                                   json.dumps(arguments, ensure_ascii=False))))
+            out.append(ToolCallEvent(self.n_calls, new_call_id(), name,
+                                     json.dumps(arguments, ensure_ascii=False)))
             self.n_calls += 1
 
     # calls written without markers (see the module doc)
@@ -485,6 +474,6 @@ class OutputParser:
             if self.state == kind:
                 tail = self.channels[kind].flush()
                 if tail:
-                    out.append((kind, tail))
+                    out.append(_TEXT[kind](tail))
         return out
 
