@@ -70,6 +70,25 @@ def test_a_repaired_passage_attends_by_position_as_a_masked_dense_forward(demo_p
     assert logits.shape[-1] == whole.shape[-1]
 
 
+def test_every_layer_of_a_repair_forward_reads_one_mask_by_position(demo_pair):
+    """Tokens fed before entries of later positions: each plain layer's mask is the same
+    array, built once for the forward (a mask of chunk x cache built per layer on the
+    host made a repaired turn several times slower than its token count says), and it
+    is the causal mask by position."""
+    target, _, _ = demo_pair
+    held = np.concatenate([np.arange(0, 100), np.arange(250, 400)])
+    cache = make_prompt_cache(target)
+    prefill_chunk(target, mx.array(np.arange(10, 10 + held.size)), cache, held)
+    windows = SlidingWindows(cache, held)
+    chunk = np.concatenate([np.arange(130, 160), np.arange(400, 410)])
+    with windows.by_position(chunk):
+        masks = [layer.make_mask(chunk.size) for layer in windows.plain]
+    assert len(masks) == len(target.layers) and all(m is masks[0] for m in masks)
+    keys = np.concatenate([held, chunk])
+    assert np.array_equal(np.array(masks[0]), keys[None] <= chunk[:, None])
+    assert all("make_mask" not in vars(layer) for layer in windows.plain)  # removed after
+
+
 def test_a_later_turn_gets_the_passage_its_question_needs_for_new_and_repaired_tokens(demo_pair):
     """The question of turn 2 is about a fact turn 1's selection dropped: the report says
     the view was repaired, the answer is dense's, and the target computes only the

@@ -65,15 +65,27 @@ def _window_mask(queries: mx.array, keys: mx.array, max_size: int, N: int,
     return (keys[None] <= queries[:, None]) & (keys[None] > queries[:, None] - window)
 
 
-def _causal_mask(queries: np.ndarray, keys: np.ndarray, N: int,
-                 window_size: Optional[int] = None, return_array: bool = False) -> mx.array:
-    """`KVCache.make_mask`'s signature; each query sees the keys at or before it."""
-    if N != queries.size:
-        raise ValueError(f"a mask for {N} queries was asked, the forward has {queries.size}")
-    mask = keys[None] <= queries[:, None]
-    if window_size:
-        mask &= keys[None] > queries[:, None] - window_size
-    return mx.array(mask)
+class _CausalByPosition:
+    """`KVCache.make_mask` for one forward of tokens fed out of order: each query sees
+    the keys at or before its position. Every plain layer of the forward asks for the
+    same mask, so it is built once (on the device) and shared."""
+
+    def __init__(self, queries: np.ndarray, keys: np.ndarray):
+        self.size = queries.size
+        self.queries = mx.array(queries.astype(np.int32))[:, None]
+        self.keys = mx.array(keys.astype(np.int32))[None]
+        self.masks: dict = {}  # window_size -> mask
+
+    def __call__(self, N: int, window_size: Optional[int] = None,
+                 return_array: bool = False) -> mx.array:
+        if N != self.size:
+            raise ValueError(f"a mask for {N} queries was asked, the forward has {self.size}")
+        if window_size not in self.masks:
+            mask = self.keys <= self.queries
+            if window_size:
+                mask = mask & (self.keys > self.queries - window_size)
+            self.masks[window_size] = mask
+        return self.masks[window_size]
 
 
 class SlidingWindows:
@@ -111,8 +123,9 @@ class SlidingWindows:
             positions = np.asarray(positions, dtype=np.int64).reshape(-1)
             keys = np.concatenate([self.fed, positions])
             if self.fed.size and positions.min() < self.fed.max():  # out of order
+                mask = _CausalByPosition(positions, keys)
                 for layer in self.plain:
-                    layer.make_mask = partial(_causal_mask, positions, keys)
+                    layer.make_mask = mask
                     layers.append(layer)
             self.fed = keys
         for group, shadow in self.groups.values():
