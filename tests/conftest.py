@@ -18,6 +18,17 @@ os.environ["SPECPREFILL_CACHE_DIR"] = tempfile.mkdtemp(prefix="specprefill-tests
 import specprefill_engine  # noqa: E402,F401  (loads the optimized BLAS before MLX)
 
 
+# the files that take longest, started first: two workers (pyproject's addopts) then end
+# together instead of one running the real pair's conversion alone at the end
+SLOW_FIRST = ("test_real_weights.py", "test_core_demo.py", "test_vouch.py",
+              "test_distributed.py")
+
+
+def pytest_collection_modifyitems(items):
+    order = {name: rank for rank, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))
+
+
 @pytest.fixture(scope="session")
 def demo_pair():
     from specprefill_engine.loading import DEMO_DRAFT, load_model

@@ -167,9 +167,11 @@ def save_long_context_model(path: Path, context: int = 65536, every: int = 4) ->
     for agent CLIs whose prompts pass the demo pair's 16K. Its greedy replies end
     within a few tokens: one token in `every` (not whitespace) carries a large constant
     in its embedding, which the untied output head reads into EOS's logit alone, so
-    once the model writes one of them EOS follows."""
+    once the model writes one of them EOS follows. One attention head (of 64): on this
+    CPU a prefill's cost at these lengths is the attention's, per head."""
     overrides = {"vocab_size": 4096, "max_position_embeddings": context,
-                 "tie_word_embeddings": False, "eos_token_id": 4}
+                 "tie_word_embeddings": False, "eos_token_id": 4, "num_attention_heads": 1,
+                 "num_key_value_heads": 1, "head_dim": 64}
     model = tiny_model("llama", **overrides)
     from transformers import PreTrainedTokenizerFast
 
