@@ -55,7 +55,7 @@ def test_a_grown_prompt_reuses_the_draft_and_the_sparse_turn(session):
         assert new <= after.usage.prompt_tokens - before.usage.prompt_tokens + repaired
 
 
-def test_a_question_about_what_the_last_turn_dropped_repairs_the_view(demo_pair):
+def test_a_question_about_what_the_last_turn_dropped_repairs_the_view(demo_pair, fresh_cache_dir):
     _, _, tokenizer = demo_pair
     # turn 1 asks for the fact near the start, turn 2 for the one near the end: the
     # stored selection lacks what turn 2 needs, and it is added to the stored view

@@ -148,7 +148,7 @@ async def test_a_schema_that_cannot_compile_is_refused_at_the_call(engine, alone
     assert (await engine.generate(**request)).token_ids == alone[0]
 
 
-async def test_keep_is_honoured_when_a_stored_selection_is_reused():
+async def test_keep_is_honoured_when_a_stored_selection_is_reused(fresh_cache_dir):
     async with Engine(densify="off") as engine:  # a densified prefix would be kept whole
         messages = make_case(engine.tokenizer, 90, "passkey", 1600).messages
         first = await engine.generate(messages, max_tokens=4, specprefill=True, keep=0.3)

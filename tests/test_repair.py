@@ -2,7 +2,9 @@
 passages its selection wants and the view lacks are fed at their true positions (after
 entries of later positions, attending by position), then the new tokens."""
 
+import re
 import sys
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -72,9 +74,8 @@ def test_a_repaired_passage_attends_by_position_as_a_masked_dense_forward(demo_p
 
 def test_every_layer_of_a_repair_forward_reads_one_mask_by_position(demo_pair):
     """Tokens fed before entries of later positions: each plain layer's mask is the same
-    array, built once for the forward (a mask of chunk x cache built per layer on the
-    host made a repaired turn several times slower than its token count says), and it
-    is the causal mask by position."""
+    array, built once for the forward (not a chunk-by-cache array per layer on the
+    host), and it is the causal mask by position."""
     target, _, _ = demo_pair
     held = np.concatenate([np.arange(0, 100), np.arange(250, 400)])
     cache = make_prompt_cache(target)
@@ -89,7 +90,8 @@ def test_every_layer_of_a_repair_forward_reads_one_mask_by_position(demo_pair):
     assert all("make_mask" not in vars(layer) for layer in windows.plain)  # removed after
 
 
-def test_a_later_turn_gets_the_passage_its_question_needs_for_new_and_repaired_tokens(demo_pair):
+def test_a_later_turn_gets_the_passage_its_question_needs_for_new_and_repaired_tokens(
+        demo_pair, fresh_cache_dir):
     """The question of turn 2 is about a fact turn 1's selection dropped: the report says
     the view was repaired, the answer is dense's, and the target computes only the
     repaired and the new kept tokens (counted: kept entries minus those restored), fewer
@@ -98,8 +100,12 @@ def test_a_later_turn_gets_the_passage_its_question_needs_for_new_and_repaired_t
     session = make_agent_session(tokenizer, 3, 4000, 2)
     with Engine(densify="off") as engine:
         first = engine.generate_sync(session.messages(0, []), max_tokens=8, specprefill=True)
+        costs = engine._worker.runtime.costs
+        dense_points = len(costs.target)
         messages = session.messages(1, [first.text])
         second = engine.generate_sync(messages, max_tokens=8, specprefill=True)
+        # the repaired prefill is timed as a repair, apart from the causal ones
+        assert (len(costs.repair), len(costs.target)) == (1, dense_points)
     with Engine(densify="off") as fresh_engine:
         fresh = fresh_engine.generate_sync(messages, max_tokens=8, specprefill=True)
     with Engine(draft=None) as dense_engine:
@@ -113,7 +119,29 @@ def test_a_later_turn_gets_the_passage_its_question_needs_for_new_and_repaired_t
     assert second.text == dense.text and session.answers[1] in second.text
 
 
-def test_repair_is_chosen_whenever_it_covers_the_new_selection(demo_pair):
+def test_where_repairs_ran_slow_the_turn_selects_anew(demo_pair, fresh_cache_dir):
+    """On a device whose repairs ran far slower than causal prefills of their counts (a
+    GPU's fused attention takes only causal masks), the turn that would repair selects
+    anew, and its report says why."""
+    _, _, tokenizer = demo_pair
+    session = make_agent_session(tokenizer, 3, 4000, 2)
+    with Engine(densify="off") as engine:
+        other = make_agent_session(tokenizer, 4, 4000, 1)  # both models warm: timed from here
+        engine.generate_sync(other.messages(0, []), max_tokens=2, specprefill=True)
+        first = engine.generate_sync(session.messages(0, []), max_tokens=8, specprefill=True)
+        costs = engine._worker.runtime.costs
+        assert costs.measured()
+        slow = 50 * costs.predict("target", 2000, 2000)
+        costs.repair.extend([(2000, 2000, slow, time.time())] * 3)
+        second = engine.generate_sync(session.messages(1, [first.text]), max_tokens=8,
+                                      specprefill=True)
+    reuse = second.specprefill.reuse
+    assert reuse.startswith("selected anew: repairing"), reuse
+    assert float(re.search(r"repairs running ([0-9.]+)x", reuse).group(1)) > 10, reuse
+    assert second.usage.cached_tokens < first.usage.prompt_tokens // 2
+
+
+def test_repair_is_chosen_whenever_it_covers_the_new_selection(demo_pair, fresh_cache_dir):
     """Over an agent's turns on a plain model, no turn selects anew: each repairs or
     extends the stored view (decision counts)."""
     _, _, tokenizer = demo_pair

@@ -215,17 +215,19 @@ def _runs(indices: np.ndarray) -> int:
     return int(indices.size and 1 + np.count_nonzero(np.diff(indices) > 1))
 
 
-def _repair_pays(runtime: Runtime, state: RequestState, repair: tuple, fresh: tuple) -> bool:
+def _repair_pays(runtime: Runtime, state: RequestState, repair: tuple, fresh: tuple,
+                 passages: bool) -> bool:
     """Repairing a stored view against selecting anew, each (tokens to prefill, entries
     cached before them, entries decode then attends over), by the cost model: their
-    prefill, plus decode over the entries each leaves for the reply."""
+    prefill (with `passages` to add, at the rate repairs ran here), plus decode over the
+    entries each leaves for the reply."""
     costs, reply = runtime.costs, min(state.max_tokens, REPLY_TOKENS)
 
-    def seconds(feed: int, cached: int, kept: int) -> float:
-        return costs.predict("target", feed, cached) + reply * (
+    def seconds(kind: str, feed: int, cached: int, kept: int) -> float:
+        return costs.predict(kind, feed, cached) + reply * (
             costs.predict("target", 1, kept) - costs.predict("target", 1, 0))
 
-    return seconds(*repair) <= seconds(*fresh)
+    return seconds("repair" if passages else "target", *repair) <= seconds("target", *fresh)
 
 
 def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
@@ -291,7 +293,7 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
                 fresh = int(np.count_nonzero(selected >= cut))
                 kept = held.size + missing.size + new
                 repair = _repair_pays(runtime, state, (missing.size + new, held.size, kept),
-                                      (fresh, cut, selected.size))
+                                      (fresh, cut, selected.size), bool(missing.size))
                 if repair or coverage >= config.reuse_coverage:
                     cut, hit, before = shared, sparse_hit, held
                     reuse = view
@@ -303,9 +305,11 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
                         reuse += f" >= {config.reuse_coverage}, extended as it is"
                 else:
                     reuse = (f"selected anew: repairing the stored view ({missing.size + new} "
-                             f"tokens after {held.size} entries) is predicted slower than "
-                             f"selecting anew ({fresh} tokens); {reuse}")
+                             f"tokens after {held.size} entries, repairs running "
+                             f"{runtime.costs.repair_factor():.1f}x a causal prefill here) is "
+                             f"predicted slower than selecting anew ({fresh} tokens); {reuse}")
     report.reuse = reuse
+    state.repaired = int(added.size)
     kept_new = np.concatenate([added, selected[selected >= cut]])
     positions = np.concatenate([before, kept_new])
     report.kept_tokens = int(positions.size)
@@ -325,7 +329,7 @@ def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixCach
     report.engaged = False
     report.reason = f"fell back to dense prefill: {error}"
     report.kept_tokens = int(state.tokens.size)
-    state.scoring = None
+    state.scoring, state.repaired = None, 0
     plan_dense(state, runtime, find_dense(state, caches.target))
 
 

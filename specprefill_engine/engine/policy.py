@@ -27,6 +27,13 @@ more than `margin`. A policy that declines where the shapes alone predict a larg
 (`RECHECK_GAIN`) engages now and then anyway, at growing intervals, so a wrong fit is
 measured and corrected instead of locking itself in (`Recheck`).
 
+A repair (`planner.py`) feeds a stored sparse view's dropped passages after entries of
+later positions: its forwards attend through a mask by position, which costs little more
+than a causal forward on a CPU and several times more on a GPU whose fused attention
+takes only causal masks. So a repaired prefill is its own kind ("repair"): its cost is
+the target's fit times the median ratio of the repaired prefills measured to that fit
+(1 until one is), and it never enters the target's own points.
+
 The points persist per (target, draft, device) in the user's cache directory
 (`cache_dir()/costs`, versioned, with the models' shapes); a file that cannot be read,
 is of another version or shape, or holds implausible points is dropped (point by point
@@ -203,19 +210,22 @@ class CostModel:
     draft_shape: Optional[Shape] = None
     target: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     draft: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    repair: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # the target's
     path: Optional[Path] = None  # where the observations persist
     warm: set = field(default_factory=set)  # models whose first prefill has been seen
     recheck: Recheck = field(default_factory=Recheck)
     _laws: dict = field(default_factory=dict)  # fits, until the next observation
 
     def shape(self, which: str) -> Shape:
-        return self.target_shape if which == "target" else self.draft_shape
+        return self.draft_shape if which == "draft" else self.target_shape
 
     def observe(self, which: str, tokens: int, cached: int, seconds: float) -> None:
-        """A measured prefill. A process's first of each model pays one-time costs, which
-        only make it slower: it counts only where it was faster than predicted."""
-        if which not in self.warm:
-            self.warm.add(which)
+        """A measured prefill ("target", "draft" or "repair", the target's). A process's
+        first of each model pays one-time costs, which only make it slower: it counts
+        only where it was faster than predicted."""
+        model = "target" if which == "repair" else which
+        if model not in self.warm:
+            self.warm.add(model)
             if seconds >= self.predict(which, tokens, cached):
                 return
         if tokens > 0 and 0 < seconds < _MAX_SECONDS:
@@ -262,7 +272,18 @@ class CostModel:
     def predict(self, which: str, tokens: int, cached: int = 0) -> float:
         if tokens <= 0:
             return 0.0
+        if which == "repair":
+            return self.repair_factor() * self.predict("target", tokens, cached)
         return self.law(which).seconds(self.shape(which), tokens, cached)
+
+    def repair_factor(self) -> float:
+        """How much slower than a causal prefill of the same counts a repaired one ran
+        here (the median over the repairs measured; 1 before any, or while the target's
+        predictions are in the prior's units)."""
+        if not self.repair or not self.measured():
+            return 1.0
+        return float(np.median([seconds / max(self.predict("target", tokens, cached), 1e-12)
+                                for tokens, cached, seconds, _ in self.repair]))
 
     def load(self) -> None:
         """The saved points, each checked; what cannot be trusted is dropped, said once."""
@@ -278,7 +299,8 @@ class CostModel:
             logger.warning("ignoring prefill costs in %s: version %r, not %d", self.path,
                            version, VERSION)
             return
-        shapes = {"target": self.target_shape, "draft": self.draft_shape}
+        shapes = {"target": self.target_shape, "draft": self.draft_shape,
+                  "repair": self.target_shape}
         dropped = 0
         for which, shape in shapes.items():
             entry = saved.get(which)
@@ -297,10 +319,10 @@ class CostModel:
                            self.path)
 
     def save(self) -> None:
-        if self.path is None or not (self.target or self.draft):
+        if self.path is None or not (self.target or self.draft or self.repair):
             return
         saved = {"version": VERSION}
-        for which in ("target", "draft"):
+        for which in ("target", "draft", "repair"):
             shape = self.shape(which)
             if shape is not None:
                 saved[which] = {"shape": [shape.parameters, shape.attention],

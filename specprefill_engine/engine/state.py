@@ -91,6 +91,7 @@ class RequestState:
     prefill_busy: float = 0.0  # seconds in its chunks (for the cost model)
     densified: bool = False  # dense after a densified prefix: its entries count as densified
     positions: Optional[np.ndarray] = None  # each prompt cache entry's position; None: all
+    repaired: int = 0  # tokens of dropped passages its prefill feeds after later entries
     stored_reply: Optional[int] = None  # at its end: reply tokens its kept cache holds
 
     def __post_init__(self):

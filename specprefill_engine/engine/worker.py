@@ -546,7 +546,8 @@ class Worker:
             self._end(state, error=error)
             return
         feed = state.prefill
-        runtime.costs.observe("target", int(feed.tokens.size), feed.cached, state.prefill_busy)
+        runtime.costs.observe("repair" if state.repaired else "target", int(feed.tokens.size),
+                              feed.cached, state.prefill_busy)
         if reason is not None:
             self._end(state, reason)
             return
