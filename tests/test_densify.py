@@ -134,3 +134,31 @@ async def test_a_densified_entry_replaces_the_sparse_one_within_the_budget():
         entries = list(prefix.entries.values())
         assert len(entries) == 1 and entries[0].positions is None and entries[0].densified
         assert prefix.total_bytes <= budget
+
+
+async def test_densify_decode_runs_a_unit_beside_each_decode_step_and_leaves_the_reply_alone():
+    """densify="decode": the previous turn densifies while the next request decodes its
+    reply, at most one unit a turn (each unit's tokens at most one prefill unit); the reply
+    is token for token the one without densify."""
+    async with Engine(densify="decode") as engine:
+        _, messages = turns(engine.tokenizer, 4, 3000)
+        first = await engine.generate(messages, max_tokens=4, specprefill=True)
+        assert first.specprefill.engaged
+        other = make_case(engine.tokenizer, 5, "passkey", 400).messages
+        reply = await engine.generate(other, max_tokens=64, ignore_eos=True, specprefill=False,
+                                      cache_prompt=False)
+        stats = engine.stats()["densify"]
+        step = engine.info.step_size
+        assert 1 <= stats.decode_units <= reply.usage.completion_tokens
+        assert stats.tokens <= (stats.decode_units + 2) * step * 1.25 + 1
+        await densified(engine)
+    with Engine(densify="off") as plain:
+        plain.generate_sync(messages, max_tokens=4, specprefill=True)
+        alone = plain.generate_sync(other, max_tokens=64, ignore_eos=True, specprefill=False,
+                                    cache_prompt=False)
+    assert reply.token_ids == alone.token_ids
+
+
+def test_densify_must_be_one_of_its_modes():
+    with pytest.raises(ValueError, match="densify must be 'idle', 'decode' or 'off'"):
+        Engine(densify="always")

@@ -78,7 +78,9 @@ class EngineConfig:
     recent_message_cap: int = DEFAULT_RECENT_CAP  # tokens of the newest message kept
     system_message_cap: int = DEFAULT_SYSTEM_CAP  # a longer system message: its ends kept
     rank_timeout: float = 60.0  # seconds a turn may take before rank 0 declares a rank lost
-    densify: str = "idle"  # "idle": compute a SpecPrefill turn's dense KV while idle; "off"
+    # "idle": compute a SpecPrefill turn's dense KV while idle; "decode": also one unit in
+    # each turn where requests only decode (every token of theirs waits for it); "off"
+    densify: str = "idle"
     # the probe of whether the draft finds what the target would (`vouch.py`): "lazy" on the
     # first prompt the automatic policy would engage on, "load" as the engine starts, "off"
     draft_check: str = "lazy"
@@ -95,8 +97,8 @@ class EngineConfig:
         cap = self.system_message_cap
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
             raise ValueError(f"system_message_cap must be an integer >= 0, got {cap!r}")
-        if self.densify not in ("idle", "off"):
-            raise ValueError(f"densify must be 'idle' or 'off', got {self.densify!r}")
+        if self.densify not in ("idle", "decode", "off"):
+            raise ValueError(f"densify must be 'idle', 'decode' or 'off', got {self.densify!r}")
         if self.draft_check not in ("lazy", "load", "off"):
             raise ValueError(f"draft_check must be 'lazy', 'load' or 'off', got "
                              f"{self.draft_check!r}")

@@ -335,7 +335,7 @@ class Worker:
                 continue
             if state.stored_reply is not None and target is not None:
                 self._plan_store(plan, state, state.stored_reply)
-                if state.positions is not None and self.runtime.config.densify == "idle":
+                if state.positions is not None and self.runtime.config.densify != "off":
                     self._add_job(plan.stores[-1].tokens, state.handle)
             plan.releases.append(state.handle)
             self._forget(state)
@@ -376,13 +376,24 @@ class Worker:
             self._jobs.popleft()
             self.densify_stats.entries += 1
             return
-        if self._busy(live) or any(s.status is Status.WAITING for s in live) or plan.chunks:
+        if self._busy(live) and not self._only_decoding(live, runtime) or plan.chunks \
+                or plan.scoring or any(s.status is Status.WAITING for s in live):
             return
         if job.feed is None and not densify.start(job, runtime.model, target,
                                                   runtime.config.step_size):
             self._jobs.popleft()  # a dense prefix covers it already
             return
         job.feed.add_unit(plan)
+        if plan.decode:
+            self.densify_stats.decode_units += 1
+
+    @staticmethod
+    def _only_decoding(live: list, runtime: Runtime) -> bool:
+        """With densify "decode": the live requests decode (or join, or leave), none
+        scores or prefills, so a densify unit may share the turn with the decode step."""
+        return runtime.config.densify == "decode" and all(
+            s.status in (Status.DECODING, Status.JOINING, Status.LEAVING, Status.ENDED)
+            for s in live)
 
     def _densified(self, plan: TurnPlan, outcome: TurnOutcome) -> None:
         """The keys sparse turns were stored as (their jobs drop them when done) and
