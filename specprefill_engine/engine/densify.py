@@ -10,12 +10,13 @@ next turn continues from a dense prefix and answers as dense would.
 A job takes one unit per turn, only in turns with no request waiting,
 prefilling, joining or decoding, so an arriving request waits at most one unit; what a
 job has computed is stored after each unit (each store absorbs the one before), so a
-paused job is usable as it stands. With `densify="decode"` a job also takes one unit in
-a turn whose requests only decode: each of their tokens then waits for at most one unit,
-as for another request's prefill (`DensifyStats.decode_units` counts them). That pays
-only where prefill is cheap against the reply's decode and the next turn comes before
-any idle time (an H200 with tools that return at once); on a Mac, where prefill is
-~14x slower than decode per token, it slows every reply token for a long while. A finished job drops the sparse entry it replaces.
+paused job is usable as it stands. A finished job drops the sparse entry it replaces.
+With `densify="decode"` a job also takes one unit in a turn whose requests only decode:
+each of their tokens then waits for at most one unit, as for another request's prefill
+(`DensifyStats.decode_units` counts them). That pays only where prefill is cheap against
+the reply's decode and the next turn comes before any idle time (a large GPU, tools that
+return at once); where prefill is slow against decode (a Mac) it slows a long run of
+reply tokens.
 A job continues from the longest dense prefix already cached (an earlier turn's
 densified KV), so an agent's loop densifies only what each turn adds.
 """

@@ -28,9 +28,9 @@ more than `margin`. A policy that declines where the shapes alone predict a larg
 measured and corrected instead of locking itself in (`Recheck`).
 
 A repair (`planner.py`) feeds a stored sparse view's dropped passages after entries of
-later positions: its forwards attend through a mask by position, which costs little more
-than a causal forward on a CPU and several times more on a GPU whose fused attention
-takes only causal masks. So a repaired prefill is its own kind ("repair"): its cost is
+later positions: its forwards attend through a mask by position, which may cost about
+what a causal forward costs (a CPU) or several times more (a GPU whose fused attention
+takes only causal masks). So a repaired prefill is its own kind ("repair"): its cost is
 the target's fit times the median ratio of the repaired prefills measured to that fit
 (1 until one is), and it never enters the target's own points.
 
