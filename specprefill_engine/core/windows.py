@@ -56,13 +56,19 @@ def _shadow(layer: RotatingKVCache, positions: np.ndarray) -> RotatingKVCache:
     return shadow
 
 
-def _window_mask(queries: mx.array, keys: mx.array, max_size: int, N: int,
-                 window_size: Optional[int] = None, return_array: bool = False) -> mx.array:
-    """`RotatingKVCache.make_mask`'s signature; the mask by position: (N, keys)."""
+def _visible(queries: mx.array, keys: mx.array, N: int, window: Optional[int]) -> mx.array:
+    """The mask by position, (N, keys): each query sees the keys at or before it (and,
+    with `window`, within it)."""
     if N != queries.size:
         raise ValueError(f"a mask for {N} queries was asked, the forward has {queries.size}")
-    window = window_size or max_size  # as mlx-lm's own make_mask reads it
-    return (keys[None] <= queries[:, None]) & (keys[None] > queries[:, None] - window)
+    mask = keys[None] <= queries[:, None]
+    return mask & (keys[None] > queries[:, None] - window) if window else mask
+
+
+def _window_mask(queries: mx.array, keys: mx.array, max_size: int, N: int,
+                 window_size: Optional[int] = None, return_array: bool = False) -> mx.array:
+    """`RotatingKVCache.make_mask`'s signature."""
+    return _visible(queries, keys, N, window_size or max_size)  # as mlx-lm's make_mask reads it
 
 
 class _CausalByPosition:
@@ -71,21 +77,15 @@ class _CausalByPosition:
     same mask, so it is built once (on the device) and shared."""
 
     def __init__(self, queries: np.ndarray, keys: np.ndarray):
-        self.size = queries.size
-        self.queries = mx.array(queries.astype(np.int32))[:, None]
-        self.keys = mx.array(keys.astype(np.int32))[None]
-        self.masks: dict = {}  # window_size -> mask
+        self.queries = mx.array(queries.astype(np.int32))
+        self.keys = mx.array(keys.astype(np.int32))
+        self.masks: dict = {}  # (N, window_size) -> mask
 
     def __call__(self, N: int, window_size: Optional[int] = None,
                  return_array: bool = False) -> mx.array:
-        if N != self.size:
-            raise ValueError(f"a mask for {N} queries was asked, the forward has {self.size}")
-        if window_size not in self.masks:
-            mask = self.keys <= self.queries
-            if window_size:
-                mask = mask & (self.keys > self.queries - window_size)
-            self.masks[window_size] = mask
-        return self.masks[window_size]
+        if (N, window_size) not in self.masks:
+            self.masks[N, window_size] = _visible(self.queries, self.keys, N, window_size)
+        return self.masks[N, window_size]
 
 
 class SlidingWindows:

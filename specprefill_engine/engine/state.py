@@ -32,10 +32,6 @@ class Status(enum.Enum):
     ENDED = "ended"  # released: gone from the table
 
 
-RUNNING = (Status.SCORING, Status.PREFILLING, Status.PREFILLED, Status.JOINING,
-           Status.DECODING)
-
-
 @dataclass(eq=False)
 class Scoring:
     """A request's scoring by the draft, as progress: the prompt through the draft

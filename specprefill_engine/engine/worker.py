@@ -56,11 +56,14 @@ from .planner import (
 from .prefix_cache import PrefixCache, prefix_cache_for
 from .results import Progress
 from .runtime import EngineInfo, Runtime
-from .state import RUNNING, RequestState, Status
+from .state import RequestState, Status
 
 logger = logging.getLogger(__name__)
 _STOP = object()
 SHORT_PREFILL_FLOOR = 0.25  # the least share of a turn's unit a packed short prefill counts
+# with densify="decode", the statuses a densify unit may share a turn with (none of them
+# waits for a prefill); otherwise a unit runs only when every request has ended
+BESIDE_DECODE = (Status.DECODING, Status.JOINING, Status.LEAVING, Status.ENDED)
 
 
 class EngineFailedError(RuntimeError):
@@ -225,10 +228,6 @@ class Worker:
         with self._lock:
             return list(self.requests.values())
 
-    @staticmethod
-    def _busy(live: list) -> bool:
-        return any(s.status in (*RUNNING, Status.LEAVING) for s in live)
-
     def _turn(self, runtime: Runtime, caches: PrefixCaches) -> bool:
         live = self._live()
         idle = not any(s.status is not Status.ENDED for s in live) and not self._jobs
@@ -360,7 +359,8 @@ class Worker:
 
     def _plan_densify(self, plan: TurnPlan, live: list, runtime: Runtime,
                       target: PrefixCache) -> None:
-        """Keep what the current job computed; give it a unit when nothing else runs."""
+        """Keep what the current job computed; give it a unit when nothing else runs
+        (with densify="decode", also beside a decode step)."""
         if not self._jobs:
             return
         job = self._jobs[0]
@@ -376,8 +376,8 @@ class Worker:
             self._jobs.popleft()
             self.densify_stats.entries += 1
             return
-        if self._busy(live) and not self._only_decoding(live, runtime) or plan.chunks \
-                or plan.scoring or any(s.status is Status.WAITING for s in live):
+        quiet = BESIDE_DECODE if runtime.config.densify == "decode" else (Status.ENDED,)
+        if plan.chunks or any(s.status not in quiet for s in live):
             return
         if job.feed is None and not densify.start(job, runtime.model, target,
                                                   runtime.config.step_size):
@@ -386,14 +386,6 @@ class Worker:
         job.feed.add_unit(plan)
         if plan.decode:
             self.densify_stats.decode_units += 1
-
-    @staticmethod
-    def _only_decoding(live: list, runtime: Runtime) -> bool:
-        """With densify "decode": the live requests decode (or join, or leave), none
-        scores or prefills, so a densify unit may share the turn with the decode step."""
-        return runtime.config.densify == "decode" and all(
-            s.status in (Status.DECODING, Status.JOINING, Status.LEAVING, Status.ENDED)
-            for s in live)
 
     def _densified(self, plan: TurnPlan, outcome: TurnOutcome) -> None:
         """The keys sparse turns were stored as (their jobs drop them when done) and
