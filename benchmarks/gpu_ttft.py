@@ -45,6 +45,10 @@ from specprefill_engine.core.scoring import run_steps
 SHAPES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    # qwen3-8b's layers at a width where the forward costs little next to the Python
+    # that builds it: a CPU stand-in for decode bound by the host, as an 8B model is on an H200
+    "qwen3-8b-host": dict(hidden_size=64, num_hidden_layers=36, intermediate_size=128,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     "qwen3-small": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
                         num_attention_heads=8, num_key_value_heads=2, head_dim=64),  # CPU scale
     "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
