@@ -3,8 +3,10 @@
 The executor owns the tensors, by request handle: each prefilling request's target
 cache and the checkpoints taken on the way (models whose caches cannot be cut:
 `prefix_cache.py`), the decode batch (and the solo decodes of a model that cannot
-batch), the prefix cache's KV, which every rank keeps alike by making the same calls
-on it, and on rank 0 the draft's caches while it scores, with the draft's prefix cache.
+batch, and a row whose reply the draft proposes: `speculative.py`), the prefix cache's
+KV, which every rank keeps alike by making the same calls on it, and on rank 0 the
+draft's caches while it scores (and while it proposes a reply), with the draft's prefix
+cache.
 It knows nothing of requests beyond their handles and, on rank 0, how each is sampled
 (`register`). It runs a `TurnPlan` in the plan's order and returns a `TurnOutcome`:
 the tokens sampled (a prompt's first included), the keys stores were kept under, the
@@ -27,7 +29,9 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..core.prefill import prefill_chunk
+from mlx_lm.models.cache import trim_prompt_cache
+
+from ..core.prefill import cache_length, prefill_chunk
 from ..core.scoring import DraftScorer, capture_window, importance_of, lookahead_step, scored_sites
 from ..core.sparse_prefill import decode_shift
 from ..core.windows import SlidingWindows
@@ -35,6 +39,7 @@ from .batch import DecodeBatch, SoloDecode, cut_cache
 from .plan import TurnPlan
 from .prefix_cache import Hit, PrefixCache, checkpointed, snapshot
 from .sampling import RowSampler, read_logprobs, sample_rows
+from .speculative import SpeculativeDecode
 
 logger = logging.getLogger(__name__)
 _NO_TOKENS = mx.array([], dtype=mx.int32)  # what processors see before the first token
@@ -47,8 +52,11 @@ class TurnOutcome:
     stored: dict = field(default_factory=dict)  # handle -> the prefix-cache key it is kept as
     draft_stored: dict = field(default_factory=dict)  # handle -> its draft prefix-cache key
     seconds: dict = field(default_factory=dict)  # handle -> time in its prefill chunks
-    scored: dict = field(default_factory=dict)  # handle -> importance (np.ndarray), scoring done
+    # handle -> its scoring's end: the importance (np.ndarray), None (the draft only
+    # computed the prompt's KV) or SpecPrefill's own error
+    scored: dict = field(default_factory=dict)
     scoring_seconds: dict = field(default_factory=dict)  # handle -> time in its scoring unit
+    drafted: dict = field(default_factory=dict)  # handle -> (tokens proposed, taken): a round
 
 
 @dataclass
@@ -63,7 +71,8 @@ class _Scoring:
 
 class Executor:
     def __init__(self, model, prefix: Optional[PrefixCache], group=None, sampling: bool = True,
-                 scorer: Optional[DraftScorer] = None, draft_prefix: Optional[PrefixCache] = None):
+                 scorer: Optional[DraftScorer] = None, draft_prefix: Optional[PrefixCache] = None,
+                 num_draft_tokens: int = 0):
         self.model = model
         self.prefix = prefix
         self.group = group  # a sharded target's process group
@@ -78,6 +87,8 @@ class Executor:
         self.windows: dict = {}  # handle -> SlidingWindows of its sparse prefill
         self.groups: dict = {}  # handle -> its DecodeBatch or SoloDecode
         self.scoring: dict = {}  # handle -> _Scoring (rank 0)
+        self.drafts: dict = {}  # handle -> the draft's cache of its prompt, for its reply
+        self.num_draft_tokens = num_draft_tokens
         self.batch = DecodeBatch(model, group, sampling)
 
     def register(self, handle: int, sampler: RowSampler) -> None:
@@ -96,6 +107,8 @@ class Executor:
             self.draft_prefix.drop(key)
         for handle in plan.releases:
             self._release(handle)
+        for handle in plan.demotions:
+            self._demote(handle, outcome)
         joined = [self._join(j, outcome) for j in plan.joins]
         if self.group is not None and (plan.stores or plan.joins):
             clear = self._agree(plan, stored, joined, outcome)
@@ -148,7 +161,7 @@ class Executor:
 
     def _release(self, handle: int) -> None:
         for table in (self.caches, self.snapshots, self.held, self.windows, self.scoring,
-                      self.samplers):
+                      self.samplers, self.drafts):
             table.pop(handle, None)
         group = self.groups.pop(handle, None)
         if group is not None:
@@ -160,7 +173,11 @@ class Executor:
             cache = self.caches[handle]
             shift = decode_shift(self.model, cache, join.length, 0)
             sampler = self.samplers.get(handle)
-            if join.solo:
+            draft_cache = self.drafts.pop(handle, None)
+            if join.speculative and draft_cache is not None:
+                group = SpeculativeDecode(self.model, self.scorer.model, handle, cache,
+                                          draft_cache, join.token, shift, self.num_draft_tokens)
+            elif join.solo:
                 group = SoloDecode(self.model, handle, sampler, cache, join.token, shift,
                                    self.group, self.sampling)
             else:
@@ -173,6 +190,19 @@ class Executor:
         del self.caches[handle]
         self.groups[handle] = group
         return True
+
+    def _demote(self, handle: int, outcome: TurnOutcome) -> None:
+        """A speculative row into the shared batch (another request joins), its target
+        cache as it stands and its last token, handed out, as the next input."""
+        group = self.groups[handle]
+        try:
+            self.batch.add(handle, self.samplers.get(handle), group.cache, group.token,
+                           group.shift)
+        except Exception as error:
+            outcome.failed[handle] = error
+            self._release(handle)
+            return
+        self.groups[handle] = self.batch
 
     def _agree(self, plan: TurnPlan, stored: list, joined: list, outcome: TurnOutcome) -> bool:
         """Every rank learns which stores and joins failed on any rank, and undoes
@@ -195,7 +225,8 @@ class Executor:
 
     def _decode(self, outcome: TurnOutcome) -> None:
         groups = [self.batch] if len(self.batch) else []
-        groups += [g for g in dict.fromkeys(self.groups.values()) if isinstance(g, SoloDecode)]
+        groups += [g for g in dict.fromkeys(self.groups.values())
+                   if isinstance(g, (SoloDecode, SpeculativeDecode))]
         for group in groups:
             try:
                 produced, failed = group.step()
@@ -208,6 +239,8 @@ class Executor:
                 continue
             outcome.tokens += produced
             outcome.failed.update(failed)
+            if isinstance(group, SpeculativeDecode):
+                outcome.drafted[group.rows[0]] = group.round
 
     def _restore(self, restore) -> None:
         hit = None
@@ -270,14 +303,20 @@ class Executor:
                                                                     cache))
             work = self.scoring[handle]
             if unit.reduce:
-                importance = importance_of(scorer.model, work.sites, work.queries, work.cache,
-                                           unit.length, scorer.pool_kernel, scorer.n_window)
+                importance = None  # a draft that only computed the prompt's KV
+                if work.queries is not None:
+                    importance = np.array(importance_of(
+                        scorer.model, work.sites, work.queries, work.cache, unit.length,
+                        scorer.pool_kernel, scorer.n_window), dtype=np.float32)
                 if unit.store and self.draft_prefix is not None:
                     key = self.draft_prefix.store(unit.tokens, work.cache)
                     if key is not None:
                         outcome.draft_stored[handle] = key
+                if unit.keep:  # the prompt's KV, its lookahead steps cut off
+                    trim_prompt_cache(work.cache, cache_length(work.cache) - unit.length)
+                    self.drafts[handle] = work.cache
                 del self.scoring[handle]
-                outcome.scored[handle] = np.array(importance, dtype=np.float32)
+                outcome.scored[handle] = importance
             elif unit.lookahead:
                 work.token = lookahead_step(scorer.model, work.token, work.cache, work.sites,
                                             work.queries, scorer.temperature)
@@ -294,7 +333,7 @@ class Executor:
 
     def clear(self) -> None:
         for table in (self.caches, self.snapshots, self.held, self.windows, self.scoring,
-                      self.samplers):
+                      self.samplers, self.drafts):
             table.clear()
         self.groups.clear()
         self.batch = DecodeBatch(self.model, self.group, self.sampling)

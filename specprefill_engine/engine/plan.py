@@ -6,7 +6,7 @@ target, which receives its target work from rank 0 (`encode_plan` / `decode_plan
 broadcast by `distributed.py`). The draft's scoring units are rank 0's alone and do not
 travel.
 
-Order of a turn (the executor's): stores, drops, releases, joins, one decode step,
+Order of a turn (the executor's): stores, drops, releases, demotions, joins, one decode step,
 restores, prefill chunks (the last of a prompt samples its first token), then a unit of
 the draft's scoring. Rows that ended in the last turn are stored and leave before the
 step; a request's prefill chunks run after it, so its first token comes in the turn of
@@ -66,6 +66,7 @@ class Join:
     token: int
     length: int
     solo: bool = False  # decodes on its own (a model whose caches cannot batch)
+    speculative: bool = False  # decodes alone, its draft proposing tokens (`speculative.py`)
 
 
 @dataclass
@@ -75,7 +76,9 @@ class ScoreUnit:
     the draft's cache from its prefix cache) or what came before; the prompt's last
     chunk `captures` the window's queries; a `lookahead` step adds a query; the `reduce`
     unit turns the queries into the importance (`tokens`: the whole prompt, kept with
-    the draft's cache in its prefix cache when `store`)."""
+    the draft's cache in its prefix cache when `store`, and kept for speculative decoding
+    when `keep`). A draft that only computes the prompt's KV (a dense request that will
+    decode speculatively) captures nothing: its `reduce` unit gives no importance."""
 
     handle: int
     length: int
@@ -85,6 +88,7 @@ class ScoreUnit:
     lookahead: bool = False
     reduce: bool = False
     store: bool = False
+    keep: bool = False
 
 
 @dataclass(eq=False)
@@ -139,6 +143,7 @@ class TurnPlan:
     drops: list = field(default_factory=list)  # prefix-cache keys to forget (the budget)
     releases: list = field(default_factory=list)  # handles whose target work ends
     joins: list = field(default_factory=list)
+    demotions: list = field(default_factory=list)  # speculative rows into the batch (rank 0)
     decode: bool = False
     restores: list = field(default_factory=list)
     chunks: list = field(default_factory=list)
@@ -148,8 +153,8 @@ class TurnPlan:
 
     def targets(self) -> bool:
         """Whether the plan holds target work (what the other ranks must run)."""
-        return bool(self.stores or self.drops or self.releases or self.joins or self.decode
-                    or self.restores or self.chunks or self.shutdown)
+        return bool(self.stores or self.drops or self.releases or self.joins or self.demotions
+                    or self.decode or self.restores or self.chunks or self.shutdown)
 
     def __bool__(self) -> bool:
         return self.targets() or bool(self.scoring or self.draft_drops)

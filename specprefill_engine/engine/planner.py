@@ -37,6 +37,7 @@ from .plan import Feed, Restore, ScoreUnit
 from .policy import RECHECK_GAIN, expected_kept, predict, shapes_gain
 from .prefix_cache import Hit, PrefixCache, checkpointed
 from .runtime import Runtime
+from .sampling import RowSampler
 from .state import RequestState, Scoring, Status
 
 logger = logging.getLogger(__name__)
@@ -174,9 +175,28 @@ def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixC
     state.status = Status.SCORING
 
 
+def start_draft_feed(state: RequestState, runtime: Runtime,
+                     draft: Optional[PrefixCache]) -> None:
+    """The prompt's KV through the draft, from what its prefix cache holds, for a dense
+    request whose reply the draft will propose: its prompt chunks, one unit per turn,
+    then a reduction that captures nothing (`scoring_units`)."""
+    scorer, length = runtime.scorer, int(state.tokens.size)
+    hit = draft.find(state.tokens) if draft is not None else None
+    cut = hit.entry.restorable(hit.cut) if hit is not None else 0
+    if cut:
+        draft.touch(hit.entry.key)
+    restore = Restore(state.handle, hit.entry.key if cut else -1, cut)
+    feed = Feed(restore, state.tokens[cut:], cached=cut,
+                chunk_ends=chunk_plan(length - cut, cut, scorer.step_size, 0.0))
+    state.usage.draft_cached_tokens = cut
+    state.scoring = Scoring(feed, state.tokens[:0], 0)
+    state.status = Status.SCORING
+
+
 def scoring_units(state: RequestState, store: bool) -> list:
     """The draft's work for this turn: the next chunks up to a pause, else the capturing
-    chunk, else a lookahead step, else the reduction (`store`: keep the draft's cache)."""
+    chunk, else a lookahead step, else the reduction (`store`: keep the draft's cache in
+    its prefix cache; and for speculative decoding, for the reply)."""
     scoring, handle, length = state.scoring, state.handle, int(state.tokens.size)
     feed = scoring.feed
     first = feed.fed == 0 and not scoring.captured
@@ -187,11 +207,33 @@ def scoring_units(state: RequestState, store: bool) -> list:
         return units
     if not scoring.captured:
         scoring.captured = True
-        return [ScoreUnit(handle, length, scoring.capture, restore, captures=True)]
+        if scoring.capture.size:
+            return [ScoreUnit(handle, length, scoring.capture, restore, captures=True)]
     if scoring.lookahead:
         scoring.lookahead -= 1
         return [ScoreUnit(handle, length, lookahead=True)]
-    return [ScoreUnit(handle, length, state.tokens, reduce=True, store=store)]
+    return [ScoreUnit(handle, length, state.tokens, restore, reduce=True, store=store,
+                      keep=state.speculative)]
+
+
+def speculation(state: RequestState, runtime: Runtime, sampler: RowSampler,
+                others: bool) -> tuple[bool, str]:
+    """Whether the request's draft is to propose its reply (`num_draft_tokens`), and why
+    ("" with the option off). Greedy rows with nothing that reads each step's logits,
+    decoding alone: the reply is then plain decoding's."""
+    count = runtime.config.num_draft_tokens
+    if not count:
+        return False, ""
+    params = state.params
+    if not params.greedy:
+        return False, "off: sampling at temperature > 0 (the draft's proposals are greedy)"
+    if sampler.processors:
+        return False, "off: logits processors (a penalty, a response format or the caller's)"
+    if params.logprobs is not None:
+        return False, "off: logprobs asked"
+    if others:
+        return False, "off: other requests are running (they decode in one batch)"
+    return True, f"{count} draft tokens a round"
 
 
 def _coverage(importance: np.ndarray, wanted: np.ndarray, held: np.ndarray,
@@ -330,6 +372,9 @@ def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixCach
     report.reason = f"fell back to dense prefill: {error}"
     report.kept_tokens = int(state.tokens.size)
     state.scoring, state.repaired = None, 0
+    if state.speculative:  # the draft's cache may have gone with the failure
+        state.speculative = False
+        report.speculative = "off: SpecPrefill's own step failed"
     plan_dense(state, runtime, find_dense(state, caches.target))
 
 
@@ -348,7 +393,8 @@ def promote(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None
 
 
 def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
-    """Decide the request's prefill: scoring (then `plan_sparse`) or a dense feed."""
+    """Decide the request's prefill: scoring (then `plan_sparse`) or a dense feed, after
+    the draft's own feed of the prompt when it is to propose the reply."""
     caches = caches_for(state, caches)
     promote(state, runtime, caches)
     dense_hit = find_dense(state, caches.target)
@@ -361,6 +407,9 @@ def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
         except Exception as error:
             fall_back_to_dense(state, runtime, caches, error)
             return
+    if state.speculative:
+        start_draft_feed(state, runtime, caches.draft)
+        return
     plan_dense(state, runtime, dense_hit)
 
 

@@ -36,7 +36,8 @@ class Timings:
 
 @dataclass
 class SpecPrefillReport:
-    """Whether SpecPrefill ran and why; whether the request decoded in the shared batch."""
+    """Whether SpecPrefill ran and why; whether the request decoded in the shared batch,
+    and whether its draft proposed its reply."""
 
     engaged: bool = False
     reason: str = ""
@@ -49,6 +50,11 @@ class SpecPrefillReport:
     selection_digest: str = ""  # a hash of the kept positions: equal digests, equal selections
     predicted_dense_s: float = 0.0  # the automatic policy's predictions (specprefill=None)
     predicted_specprefill_s: float = 0.0
+    # speculative decoding (`num_draft_tokens`): why the reply was or was not drafted
+    # ("" with the option off), and the draft's tokens proposed and taken
+    speculative: str = ""
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass

@@ -22,6 +22,7 @@ from .distributed import Channel, agree
 from .plan import TurnPlan
 from .prefix_cache import checkpointed
 from .policy import CostModel, cost_model
+from .speculative import speculative_support
 from .vouch import DraftCheck, DraftVerdict
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,9 @@ class EngineConfig:
     # the probe of whether the draft finds what the target would (`vouch.py`): "lazy" on the
     # first prompt the automatic policy would engage on, "load" as the engine starts, "off"
     draft_check: str = "lazy"
+    # speculative decoding: tokens the draft proposes a round for a greedy request that
+    # decodes alone (`speculative.py`); 0: off
+    num_draft_tokens: int = 0
 
     def __post_init__(self):
         check_keep(self.keep)
@@ -115,6 +119,9 @@ class EngineConfig:
                              f"{self.prefix_cache_disk_bits!r}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise TypeError(f"cache_dir must be a path or None, got {self.cache_dir!r}")
+        drafts = self.num_draft_tokens
+        if isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 0:
+            raise ValueError(f"num_draft_tokens must be an integer >= 0 (0: off), got {drafts!r}")
         for name in ("step_size", "draft_step_size", "kv_cache_bytes"):
             value = getattr(self, name)
             if value is not None:
@@ -282,6 +289,11 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
             check_same_tokenizer(tokenizer, draft_tokenizer)
             scorer = DraftScorer(draft, config.n_lookahead, config.pool_kernel,
                                  config.draft_step_size)
+        if config.num_draft_tokens:
+            refused = speculative_support(model, draft, group)
+            if refused:
+                raise ValueError(f"num_draft_tokens={config.num_draft_tokens}: speculative "
+                                 f"decoding cannot run here: {refused}")
     except BaseException:
         if channel is not None:
             channel.post(TurnPlan(shutdown=True))  # the other ranks wait for plans: release them

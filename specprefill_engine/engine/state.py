@@ -36,7 +36,9 @@ class Status(enum.Enum):
 class Scoring:
     """A request's scoring by the draft, as progress: the prompt through the draft
     (`feed`, before the capturing chunk), then the capturing chunk (`capture`, the
-    prompt's last tokens), the lookahead steps and the reduction to importance."""
+    prompt's last tokens), the lookahead steps and the reduction to importance. With
+    nothing to capture the draft only computes the prompt's KV (`feed`: all of it), for
+    speculative decoding."""
 
     feed: Feed
     capture: np.ndarray
@@ -89,6 +91,7 @@ class RequestState:
     positions: Optional[np.ndarray] = None  # each prompt cache entry's position; None: all
     repaired: int = 0  # tokens of dropped passages its prefill feeds after later entries
     stored_reply: Optional[int] = None  # at its end: reply tokens its kept cache holds
+    speculative: bool = False  # its draft keeps the prompt's KV to propose its reply
 
     def __post_init__(self):
         self.usage.prompt_tokens = int(self.tokens.size)

@@ -50,8 +50,8 @@ from .distributed import Watchdog
 from .executor import Executor, TurnOutcome
 from .plan import Join, Store, TurnPlan
 from .planner import (
-    PrefixCaches, begin, caches_for, fall_back_to_dense, plan_sparse, scoring_units,
-    short_prefill_share,
+    PrefixCaches, begin, caches_for, fall_back_to_dense, find_dense, plan_dense, plan_sparse,
+    scoring_units, short_prefill_share, speculation,
 )
 from .prefix_cache import PrefixCache, prefix_cache_for
 from .results import Progress
@@ -192,7 +192,8 @@ class Worker:
         self.disk_stats = disk.stats if disk is not None else None
         caches = make_prefix_caches(runtime, disk)
         self.executor = Executor(runtime.model, caches.target, runtime.group,
-                                 scorer=runtime.scorer, draft_prefix=caches.draft)
+                                 scorer=runtime.scorer, draft_prefix=caches.draft,
+                                 num_draft_tokens=runtime.config.num_draft_tokens)
         if runtime.group is not None:
             self._watchdog = Watchdog(runtime.config.rank_timeout, self._rank_lost)
         ranks = runtime.group.size() if runtime.group is not None else 1
@@ -424,13 +425,29 @@ class Worker:
 
     def _plan_joins(self, plan: TurnPlan, live: list, runtime: Runtime,
                     target: Optional[PrefixCache]) -> None:
-        for state in live:
-            if state.status is not Status.JOINING:
-                continue
+        """Requests whose first token is out join the decode. One that joins alone, with
+        nothing else decoding, decodes speculatively if it was to; a speculative row
+        another request joins moves into the shared batch."""
+        joining = [s for s in live if s.status is Status.JOINING]
+        decoding = [s for s in live if s.status is Status.DECODING]
+        alone = len(joining) == 1 and not decoding
+        for state in joining:
             if state.cache_prompt and target is not None and state.positions is None:
                 self._plan_store(plan, state, replied=0)  # the prompt's KV
+            if state.speculative and not alone:
+                state.speculative = False
+                state.report.speculative = "off: another request was starting to decode"
             plan.joins.append(Join(state.handle, state.generated[0], int(state.tokens.size),
-                                   solo=bool(runtime.batch_reason)))
+                                   solo=bool(runtime.batch_reason),
+                                   speculative=state.speculative))
+        if joining and not runtime.batch_reason:
+            for state in decoding:
+                if state.speculative:
+                    plan.demotions.append(state.handle)
+                    state.speculative = False
+                    state.report.speculative += "; then in the shared batch, another request joined"
+                    state.report.batched = True
+                    state.report.batch_reason = "decoding in the shared batch"
 
     def _plan_prefill(self, plan: TurnPlan, runtime: Runtime, caches: PrefixCaches) -> None:
         """One unit of the oldest prefill, or of its draft's scoring. A turn that starts
@@ -483,6 +500,10 @@ class Worker:
         self._reserved += need
         try:
             sampler = state.start()
+            others = any(s is not state and s.status is not Status.WAITING and not s.finished
+                         for s in live)
+            state.speculative, state.report.speculative = speculation(state, runtime, sampler,
+                                                                      others)
             begin(state, runtime, caches)
         except Exception as error:
             self._end(state, error=error)
@@ -504,13 +525,22 @@ class Worker:
             state = table.get(join.handle)
             if state is not None and not state.finished:
                 state.status = Status.DECODING
-                state.report.batched = not runtime.batch_reason
-                state.report.batch_reason = runtime.batch_reason or "decoding in the shared batch"
-        firsts, ended = [], []
+                state.report.batched = not (runtime.batch_reason or join.speculative)
+                state.report.batch_reason = runtime.batch_reason or (
+                    "decoding alone, its draft proposing tokens" if join.speculative
+                    else "decoding in the shared batch")
+        for handle, (proposed, taken) in outcome.drafted.items():
+            state = table.get(handle)
+            if state is not None:
+                state.report.drafted_tokens += proposed
+                state.report.accepted_tokens += taken
+        # a speculative row's round gives several tokens: none is taken after the one
+        # that ends its request (`ended`: handle -> (state, reason))
+        firsts, ended = [], {}
         with one_delivery():  # the step's tokens reach each caller loop in one hand-over
             for handle, token, logprob in outcome.tokens:
                 state = table.get(handle)
-                if state is None or state.finished:
+                if state is None or state.finished or handle in ended:
                     continue
                 if state.status is Status.PREFILLED:
                     firsts.append((state, token, logprob))
@@ -522,8 +552,8 @@ class Worker:
                     self._end(state, error=error)
                     continue
                 if reason is not None:
-                    ended.append((state, reason))
-        for state, reason in ended:
+                    ended[handle] = (state, reason)
+        for state, reason in ended.values():
             self._end(state, reason)
         for handle in dict.fromkeys(chunk.handle for chunk in plan.chunks):
             state = table.get(handle)
@@ -537,7 +567,8 @@ class Worker:
         for handle, seconds in outcome.scoring_seconds.items():
             state = table.get(handle)
             if state is not None and not state.finished and state.scoring is not None:
-                self._scored(state, seconds, outcome.scored.get(handle), runtime, caches)
+                self._scored(state, seconds, handle in outcome.scored,
+                             outcome.scored.get(handle), runtime, caches)
 
     def _first_token(self, state: RequestState, token: int, logprob, runtime: Runtime) -> None:
         """A prompt's first token out; the request joins a decode in the next plan."""
@@ -556,25 +587,29 @@ class Worker:
             return
         state.status = Status.JOINING
 
-    def _scored(self, state: RequestState, seconds: float, result, runtime: Runtime,
-                caches: PrefixCaches) -> None:
-        """A unit of the draft's scoring ran; at its end (`result`: the importance, or
-        SpecPrefill's own failure, after which the request goes on densely) the
-        selection."""
+    def _scored(self, state: RequestState, seconds: float, done: bool, result,
+                runtime: Runtime, caches: PrefixCaches) -> None:
+        """A unit of the draft's scoring ran; at its end (`done`; `result`: the
+        importance, None when the draft only computed the prompt's KV, or SpecPrefill's
+        own failure, after which the request goes on densely) the selection, or the
+        dense prefill."""
         scoring = state.scoring
         scoring.busy += seconds
         if state.progress:
             state.emit(Progress("scoring", scoring.tokens_done(), int(state.tokens.size)))
-        if result is None:
+        if not done:
             return
         caches = caches_for(state, caches)
+        state.timings.scoring = time.perf_counter() - state.started
+        state.scoring = None
+        if result is None:
+            plan_dense(state, runtime, find_dense(state, caches.target))
+            return
         try:
             if isinstance(result, Exception):
                 raise result
-            state.timings.scoring = time.perf_counter() - state.started
             cached = state.usage.draft_cached_tokens
             runtime.costs.observe("draft", int(state.tokens.size) - cached, cached, scoring.busy)
-            state.scoring = None
             plan_sparse(state, runtime, caches, result)
         except Exception as error:  # SpecPrefill's own step: the request goes on densely
             fall_back_to_dense(state, runtime, caches, error)
