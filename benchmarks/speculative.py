@@ -12,8 +12,13 @@ decoding's, and a Mac projection of the speed-up from those counts
 (`mac_projection.py`: decode bound by the weights' bytes; a verification costs one
 target token; projected, not measured).
 
+With `--engine`, the engine's own speculative decoding (`num_draft_tokens`) against its
+plain decoding, one engine, the requests alternating (the draft also computes a dense
+prompt's KV first: the TTFT column shows that cost; decode tokens/s are the Result's).
+
     .venv/bin/python benchmarks/speculative.py --target T --draft D --prompts 2 --tokens 48
     python benchmarks/speculative.py --target T --draft D --repeats 12 --json spec-gpu.json
+    .venv/bin/python benchmarks/speculative.py --target T --draft D --engine --prompts 3
 """
 
 import argparse
@@ -104,6 +109,68 @@ def projected_speedup(target, draft, row: dict, k: int) -> float:
             / (rounds * (mac_projection.decode_s(draft, k) + mac_projection.decode_s(target, 1))))
 
 
+def engine_rows(args, tokenizer=None) -> list:
+    """Each prompt through one engine, plain then with each draft length, greedy."""
+    from specprefill_engine import Engine
+
+    rows = []
+    with Engine(model=args.target, draft=args.draft, densify="off") as engine:
+        tokenizer = engine.tokenizer
+        options = dict(max_tokens=args.tokens, ignore_eos=True, specprefill=False,
+                       cache_prompt=False)
+        warm = prompts(tokenizer, "code", 1)[0]
+        for k in [0, *args.draft_tokens]:
+            engine.generate_sync(warm, max_tokens=8, num_draft_tokens=k, **{
+                key: value for key, value in options.items() if key != "max_tokens"})
+        for repeat in range(args.repeats):
+            for kind in args.kinds:
+                for index, prompt in enumerate(prompts(tokenizer, kind, args.prompts)):
+                    reference = engine.generate_sync(prompt, num_draft_tokens=0, **options)
+                    rows.append({"kind": kind, "prompt": index, "repeat": repeat, "k": 0,
+                                 "tok_s": reference.timings.decode_tokens_per_s,
+                                 "ttft": reference.timings.time_to_first_token})
+                    print(json.dumps(rows[-1]), flush=True)
+                    for k in args.draft_tokens:
+                        run = engine.generate_sync(prompt, num_draft_tokens=k, **options)
+                        report = run.specprefill
+                        rounds = max(report.drafted_tokens // k, 1)
+                        rows.append({
+                            "kind": kind, "prompt": index, "repeat": repeat, "k": k,
+                            "tok_s": run.timings.decode_tokens_per_s,
+                            "ttft": run.timings.time_to_first_token,
+                            "drafted": report.accepted_tokens / len(run.token_ids),
+                            "per_forward": len(run.token_ids) / rounds,
+                            "same": run.token_ids == reference.token_ids,
+                            "plain_tok_s": reference.timings.decode_tokens_per_s,
+                            "plain_ttft": reference.timings.time_to_first_token})
+                        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def engine_table(args, rows: list) -> list:
+    table = []
+    for kind in args.kinds:
+        for k in args.draft_tokens:
+            mine = [r for r in rows if r["kind"] == kind and r["k"] == k]
+            table.append({
+                "kind": kind, "k": k, "runs": len(mine),
+                "plain_tok_s": statistics.median(r["plain_tok_s"] for r in mine),
+                "speculative_tok_s": statistics.median(r["tok_s"] for r in mine),
+                "speedup": statistics.median(r["tok_s"] / r["plain_tok_s"] for r in mine),
+                "drafted": statistics.mean(r["drafted"] for r in mine),
+                "per_forward": statistics.mean(r["per_forward"] for r in mine),
+                "all_same": all(r["same"] for r in mine),
+                "ttft_ratio": statistics.median(r["ttft"] / r["plain_ttft"] for r in mine)})
+    print("| kind | draft tokens | plain tok/s | speculative tok/s | speed-up | from the draft "
+          "| tokens per target forward | same tokens | TTFT, speculative / plain |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for t in table:
+        print(f"| {t['kind']} | {t['k']} | {t['plain_tok_s']:.1f} | {t['speculative_tok_s']:.1f} "
+              f"| {t['speedup']:.2f}x | {t['drafted']:.0%} | {t['per_forward']:.2f} "
+              f"| {'yes' if t['all_same'] else 'no'} | {t['ttft_ratio']:.2f}x |")
+    return table
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True)
@@ -113,8 +180,17 @@ def main():
     parser.add_argument("--tokens", type=int, default=160, help="reply tokens")
     parser.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
+    parser.add_argument("--engine", action="store_true",
+                        help="the engine's num_draft_tokens against its plain decoding")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.engine:
+        rows = engine_rows(args)
+        table = engine_table(args, rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows, "table": table,
+                                                   "args": vars(args)}, indent=2))
+        return
     model, tokenizer = load_model(args.target)  # float32 on a CPU, as the engine runs it
     draft, _ = load_model(args.draft)
     shapes = shape_of(model), shape_of(draft)

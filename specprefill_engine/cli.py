@@ -114,11 +114,11 @@ class ProgressLine:
 
 
 def make_engine(args, **config):
-    """The Engine the command's --model, --draft, --keep, --threshold and
-    --disk-cache-gb describe."""
+    """The Engine the command's --model, --draft, --keep, --threshold,
+    --num-draft-tokens and --disk-cache-gb describe."""
     from .engine import Engine
 
-    settings = {name: getattr(args, name) for name in ("keep", "threshold")
+    settings = {name: getattr(args, name) for name in ("keep", "threshold", "num_draft_tokens")
                 if getattr(args, name, None) is not None}
     gb = args.disk_cache_gb
     if gb is None:
@@ -138,6 +138,8 @@ def summary(result, dense_ttft=None) -> str:
         f"prompt {usage.prompt_tokens} tokens{cached}, {kept}, "
         f"TTFT {timings.time_to_first_token:.2f}s, decode {timings.decode_tokens_per_s:.1f} tok/s"
     )
+    if report.drafted_tokens:
+        line += f" ({report.accepted_tokens} of {report.drafted_tokens} drafted tokens taken)"
     if dense_ttft is not None:
         line += f", dense TTFT {dense_ttft:.2f}s ({dense_ttft / timings.time_to_first_token:.1f}x)"
     return line
@@ -394,6 +396,10 @@ def parser() -> argparse.ArgumentParser:
                         f"(default {EngineConfig.keep})")
     models.add_argument("--threshold", type=int, help="use SpecPrefill from this many prompt "
                         f"tokens (default {EngineConfig.threshold})")
+    models.add_argument("--num-draft-tokens", type=int, metavar="N",
+                        help="speculative decoding: tokens the draft proposes a round for a "
+                        "greedy reply decoded alone (the same reply, fewer target forwards; "
+                        f"default {EngineConfig.num_draft_tokens}: off)")
     models.add_argument("--disk-cache-gb", type=float, metavar="GB",
                         help="keep prefix caches on disk within this many GB, for later runs "
                         "(default 10 for chat and serve, 0 (off) for the others)")

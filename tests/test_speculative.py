@@ -137,6 +137,10 @@ def test_a_pair_whose_caches_cannot_be_cut_back_is_refused_by_name(family, tmp_p
     with pytest.raises(ValueError, match=r"num_draft_tokens=2: .*cannot be cut back"):
         with Engine(model=path, draft=path, num_draft_tokens=2):
             pass
+    with Engine(model=path, draft=path) as engine:  # a request asking: its report says why
+        result = engine.generate_sync("a b c", max_tokens=4, num_draft_tokens=2)
+    assert result.specprefill.speculative.startswith("off: the target's caches")
+    assert result.specprefill.drafted_tokens == 0
 
 
 def test_the_option_needs_a_draft():
@@ -147,3 +151,19 @@ def test_the_option_needs_a_draft():
             pass
     with pytest.raises(ValueError, match="num_draft_tokens must be an integer >= 0"):
         Engine(num_draft_tokens=-1)
+
+
+def test_a_request_sets_its_own_draft_tokens(engines):
+    plain, spec = engines
+    prompt = messages(plain, seed=11, n_tokens=600)
+    expected = plain.generate_sync(prompt, max_tokens=24, ignore_eos=True, cache_prompt=False)
+    on = plain.generate_sync(prompt, max_tokens=24, ignore_eos=True, cache_prompt=False,
+                             num_draft_tokens=2)
+    off = spec.generate_sync(prompt, max_tokens=24, ignore_eos=True, cache_prompt=False,
+                             num_draft_tokens=0)
+    assert on.token_ids == off.token_ids == expected.token_ids
+    assert on.specprefill.speculative == "2 draft tokens a round"
+    assert on.specprefill.drafted_tokens % 2 == 0 and on.specprefill.drafted_tokens > 0
+    assert (off.specprefill.speculative, off.specprefill.drafted_tokens) == ("", 0)
+    with pytest.raises(ValueError, match="num_draft_tokens must be an integer >= 0"):
+        plain.generate_sync(prompt, max_tokens=4, num_draft_tokens=-2)

@@ -45,7 +45,7 @@ from .parsers import (
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                    "repetition_penalty", "seed")
-REQUEST_FIELDS = SAMPLING_FIELDS + ("keep", "threshold", "specprefill")
+REQUEST_FIELDS = SAMPLING_FIELDS + ("keep", "threshold", "specprefill", "num_draft_tokens")
 # What a call (or `bind`) may pass besides the fields above.
 CALL_KWARGS = set(REQUEST_FIELDS) | {
     "stop", "tools", "tool_choice", "parallel_tool_calls", "response_format",
@@ -104,6 +104,9 @@ class ChatSpecPrefill(BaseChatModel):
     """SpecPrefill may engage from this many new prompt tokens (None: the engine's)."""
     specprefill: Optional[bool] = None
     """None: the engine's automatic policy; True / False: always / never."""
+    num_draft_tokens: Optional[int] = None
+    """Speculative decoding: tokens the draft proposes a round for a greedy reply decoded
+    alone (the same reply, fewer target forwards); 0: off; None: the engine's."""
     max_tokens: Optional[int] = None
     """None: the engine's default (`SamplingParams`); likewise the sampling fields below."""
     temperature: Optional[float] = None
@@ -159,7 +162,7 @@ class ChatSpecPrefill(BaseChatModel):
     def _engine_rules(self) -> "ChatSpecPrefill":
         """The engine's own checks of the request settings, at construction rather than
         at the first call."""
-        check_request(**self._given(("keep", "threshold") + SAMPLING_FIELDS),
+        check_request(**self._given(("keep", "threshold", "num_draft_tokens") + SAMPLING_FIELDS),
                       stop=tuple(self.stop or ()))
         return self
 

@@ -25,7 +25,9 @@ from .delivery import Mailbox
 from .output import OutputProcessor
 from .results import Chunk, Progress, Result
 from .distributed import FollowerWorker, distributed_group
-from .runtime import EngineConfig, EngineInfo, check_count, check_keep, load_runtime, load_target
+from .runtime import (
+    EngineConfig, EngineInfo, check_count, check_draft_tokens, check_keep, load_runtime, load_target,
+)
 from .sampling import SamplingParams, check_keywords
 from .worker import Worker
 from .state import RequestState
@@ -88,10 +90,14 @@ def _check_specprefill(specprefill, keep, threshold) -> None:
         check_count(threshold, "threshold")
 
 
-def check_request(specprefill=None, keep=None, threshold=None, **sampling) -> SamplingParams:
-    """A request's SpecPrefill and sampling settings, checked as the engine checks a
-    request's, with no engine: an integration checks its settings when it is made."""
+def check_request(specprefill=None, keep=None, threshold=None, num_draft_tokens=None,
+                  **sampling) -> SamplingParams:
+    """A request's SpecPrefill, speculative decoding and sampling settings, checked as the
+    engine checks a request's, with no engine: an integration checks its settings when it
+    is made."""
     _check_specprefill(specprefill, keep, threshold)
+    if num_draft_tokens is not None:
+        check_draft_tokens(num_draft_tokens)
     return SamplingParams(**sampling)
 
 
@@ -285,7 +291,7 @@ class Engine:
     def _prepare(self, prompt: Prompt, emit: Callable, stream: bool, *, specprefill=None,
                  keep=None, threshold=None, tools=None, request_id=None, on_progress=None,
                  response_format=None, chat_template_kwargs=None, logits_processors=None,
-                 cache_prompt=True, clamp_max_tokens=True, chat=False,
+                 cache_prompt=True, clamp_max_tokens=True, chat=False, num_draft_tokens=None,
                  **sampling) -> RequestState:
         """Validate and tokenize on the caller's side; the worker gets a ready state."""
         info = self.info
@@ -303,6 +309,8 @@ class Engine:
                             "(generated tokens, logits) -> logits")
         if not isinstance(cache_prompt, bool):
             raise TypeError(f"cache_prompt must be True or False, got {cache_prompt!r}")
+        if num_draft_tokens is not None:
+            check_draft_tokens(num_draft_tokens)
         if not isinstance(clamp_max_tokens, bool):
             raise TypeError(f"clamp_max_tokens must be True or False, got {clamp_max_tokens!r}")
         if response_format is not None:
@@ -350,6 +358,8 @@ class Engine:
             max_tokens=max_tokens, output=output, specprefill=specprefill, stream=stream,
             progress=on_progress is not None, constraint=constraint,
             logits_processors=logits_processors, cache_prompt=cache_prompt,
+            num_draft_tokens=(self.config.num_draft_tokens if num_draft_tokens is None
+                              else num_draft_tokens),
             protected=protected, warnings=warnings, boundaries=boundaries,
             keep_given=keep is not None or self._keep_given,
         )
@@ -406,6 +416,7 @@ class Engine:
         mlx-lm's convention, for this request only), `cache_prompt` (False: neither
         read nor fill the prefix cache), `clamp_max_tokens` (False: a max_tokens past
         the context raises ValueError instead of being clamped, as HTTP APIs answer),
+        `num_draft_tokens` (speculative decoding for this request; None: the engine's),
         `request_id`, and `on_progress(Progress)`. An unknown keyword is a TypeError
         that names the nearest valid one.
         """

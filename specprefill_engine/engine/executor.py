@@ -71,8 +71,7 @@ class _Scoring:
 
 class Executor:
     def __init__(self, model, prefix: Optional[PrefixCache], group=None, sampling: bool = True,
-                 scorer: Optional[DraftScorer] = None, draft_prefix: Optional[PrefixCache] = None,
-                 num_draft_tokens: int = 0):
+                 scorer: Optional[DraftScorer] = None, draft_prefix: Optional[PrefixCache] = None):
         self.model = model
         self.prefix = prefix
         self.group = group  # a sharded target's process group
@@ -88,7 +87,6 @@ class Executor:
         self.groups: dict = {}  # handle -> its DecodeBatch or SoloDecode
         self.scoring: dict = {}  # handle -> _Scoring (rank 0)
         self.drafts: dict = {}  # handle -> the draft's cache of its prompt, for its reply
-        self.num_draft_tokens = num_draft_tokens
         self.batch = DecodeBatch(model, group, sampling)
 
     def register(self, handle: int, sampler: RowSampler) -> None:
@@ -176,7 +174,7 @@ class Executor:
             draft_cache = self.drafts.pop(handle, None)
             if join.speculative and draft_cache is not None:
                 group = SpeculativeDecode(self.model, self.scorer.model, handle, cache,
-                                          draft_cache, join.token, shift, self.num_draft_tokens)
+                                          draft_cache, join.token, shift, join.speculative)
             elif join.solo:
                 group = SoloDecode(self.model, handle, sampler, cache, join.token, shift,
                                    self.group, self.sampling)

@@ -66,7 +66,7 @@ class Join:
     token: int
     length: int
     solo: bool = False  # decodes on its own (a model whose caches cannot batch)
-    speculative: bool = False  # decodes alone, its draft proposing tokens (`speculative.py`)
+    speculative: int = 0  # > 0: decodes alone, its draft proposing this many tokens a round
 
 
 @dataclass

@@ -221,9 +221,11 @@ def speculation(state: RequestState, runtime: Runtime, sampler: RowSampler,
     """Whether the request's draft is to propose its reply (`num_draft_tokens`), and why
     ("" with the option off). Greedy rows with nothing that reads each step's logits,
     decoding alone: the reply is then plain decoding's."""
-    count = runtime.config.num_draft_tokens
+    count = state.num_draft_tokens
     if not count:
         return False, ""
+    if runtime.speculative_reason:  # the engine's own setting was refused at load
+        return False, f"off: {runtime.speculative_reason}"
     params = state.params
     if not params.greedy:
         return False, "off: sampling at temperature > 0 (the draft's proposals are greedy)"

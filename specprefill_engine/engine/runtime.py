@@ -44,6 +44,13 @@ def check_keep(keep, name: str = "keep") -> float:
     return keep
 
 
+def check_draft_tokens(value, name: str = "num_draft_tokens") -> int:
+    """Tokens the draft proposes a round: an integer >= 0 (0: no speculative decoding)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0 (0: off), got {value!r}")
+    return value
+
+
 def check_count(value, name: str) -> int:
     """An integer >= 1 (a token count, a size)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -86,7 +93,7 @@ class EngineConfig:
     # first prompt the automatic policy would engage on, "load" as the engine starts, "off"
     draft_check: str = "lazy"
     # speculative decoding: tokens the draft proposes a round for a greedy request that
-    # decodes alone (`speculative.py`); 0: off
+    # decodes alone (`speculative.py`); 0: off. Requests can set their own
     num_draft_tokens: int = 0
 
     def __post_init__(self):
@@ -119,9 +126,7 @@ class EngineConfig:
                              f"{self.prefix_cache_disk_bits!r}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise TypeError(f"cache_dir must be a path or None, got {self.cache_dir!r}")
-        drafts = self.num_draft_tokens
-        if isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 0:
-            raise ValueError(f"num_draft_tokens must be an integer >= 0 (0: off), got {drafts!r}")
+        check_draft_tokens(self.num_draft_tokens)
         for name in ("step_size", "draft_step_size", "kv_cache_bytes"):
             value = getattr(self, name)
             if value is not None:
@@ -146,6 +151,7 @@ class Runtime:
     channel: Optional[Channel] = None  # rank 0's plan broadcast to the other ranks
     identities: tuple = ("", "")  # target's and draft's `model_identity`; "": no disk tier
     vouch: Optional[DraftCheck] = None  # what the engine knows of its draft; None: no draft
+    speculative_reason: str = ""  # why the pair cannot decode speculatively; "": it can
 
 
 @dataclass(frozen=True)
@@ -289,11 +295,10 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
             check_same_tokenizer(tokenizer, draft_tokenizer)
             scorer = DraftScorer(draft, config.n_lookahead, config.pool_kernel,
                                  config.draft_step_size)
-        if config.num_draft_tokens:
-            refused = speculative_support(model, draft, group)
-            if refused:
-                raise ValueError(f"num_draft_tokens={config.num_draft_tokens}: speculative "
-                                 f"decoding cannot run here: {refused}")
+        refused = speculative_support(model, draft, group)
+        if config.num_draft_tokens and refused:
+            raise ValueError(f"num_draft_tokens={config.num_draft_tokens}: speculative "
+                             f"decoding cannot run here: {refused}")
     except BaseException:
         if channel is not None:
             channel.post(TurnPlan(shutdown=True))  # the other ranks wait for plans: release them
@@ -310,4 +315,5 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
     return Runtime(model, tokenizer, scorer, config, context_length_of(model), batch_reason,
                    kv_bytes, vocab_size_of(model, tokenizer), costs,
                    checkpointed=checkpointed(model), group=group,
-                   channel=channel, identities=identities, vouch=vouch)
+                   channel=channel, identities=identities, vouch=vouch,
+                   speculative_reason=refused)

@@ -67,6 +67,7 @@ class RequestState:
     constraint: Optional[Callable] = None  # the response_format's processor, built by the caller
     logits_processors: list = field(default_factory=list)
     cache_prompt: bool = True
+    num_draft_tokens: int = 0  # speculative decoding: tokens the draft proposes a round
     protected: Optional[np.ndarray] = None  # tokens SpecPrefill must keep (chat segments)
     warnings: list = field(default_factory=list)
     boundaries: tuple = ()  # where chat messages (and the generation prompt) start

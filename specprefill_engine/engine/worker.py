@@ -192,8 +192,7 @@ class Worker:
         self.disk_stats = disk.stats if disk is not None else None
         caches = make_prefix_caches(runtime, disk)
         self.executor = Executor(runtime.model, caches.target, runtime.group,
-                                 scorer=runtime.scorer, draft_prefix=caches.draft,
-                                 num_draft_tokens=runtime.config.num_draft_tokens)
+                                 scorer=runtime.scorer, draft_prefix=caches.draft)
         if runtime.group is not None:
             self._watchdog = Watchdog(runtime.config.rank_timeout, self._rank_lost)
         ranks = runtime.group.size() if runtime.group is not None else 1
@@ -439,7 +438,7 @@ class Worker:
                 state.report.speculative = "off: another request was starting to decode"
             plan.joins.append(Join(state.handle, state.generated[0], int(state.tokens.size),
                                    solo=bool(runtime.batch_reason),
-                                   speculative=state.speculative))
+                                   speculative=state.num_draft_tokens if state.speculative else 0))
         if joining and not runtime.batch_reason:
             for state in decoding:
                 if state.speculative:
