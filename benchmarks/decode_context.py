@@ -14,11 +14,10 @@ come from, each side decoding the same reply length after the same prompt:
 Also the attention of a repaired prefill against a causal one, at the same sizes
 (`--repair-queries`, `--repair-keys`): a repair masks by position (an array mask).
 
-    python benchmarks/decode_context.py --shape qwen3-8b --tokens 32768 --repeats 6   # GPU
-    .venv/bin/python benchmarks/decode_context.py --shape qwen3-small --tokens 4096   # CPU
+    python benchmarks/decode_context.py --shape qwen3-8b --prompt 32768 --new-tokens 150 --repeats 6
+    .venv/bin/python benchmarks/decode_context.py --shape qwen3-small --prompt 4096   # CPU
 """
 
-import argparse
 import asyncio
 import copy
 import json
@@ -35,7 +34,7 @@ from random_models import random_model_dir
 from specprefill_engine import Engine
 from specprefill_engine.core.prefill import prefill_chunk
 from specprefill_engine.loading import load_model
-from throughput import prompts
+from throughput import decode_arguments, prompts
 
 
 def rate(stamps: list) -> float:
@@ -96,7 +95,7 @@ def attention_times(queries: int, keys: int, heads: int, kv_heads: int, repeats:
 async def main_async(args) -> dict:
     path = random_model_dir(args.shape) if args.shape else None
     model, _ = load_model(path) if path else load_model()
-    ids = prompts(1, args.tokens, 4000, 7)[0]
+    ids = prompts(1, args.prompt, 4000, 7)[0]
     more = ids + prompts(1, 16, 4000, 8)[0]
     runs = {name: [] for name in ("mlx-lm", "mlx-lm, copied cache", "fit buffers", "engine",
                                   "engine, prefix hit")}
@@ -131,15 +130,10 @@ async def main_async(args) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", help="random-weight Qwen3 shape (e.g. qwen3-8b); default: demo target")
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--new-tokens", type=int, default=150)
+    parser = decode_arguments(__doc__, repeats=4)
     parser.add_argument("--step", type=int, default=2048, help="prefill chunk")
-    parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--repair-queries", type=int, default=6700)
     parser.add_argument("--repair-keys", type=int, default=16800)
-    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     summary = asyncio.run(main_async(args))
     if args.json:

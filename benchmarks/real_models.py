@@ -49,10 +49,26 @@ from specprefill_engine.core import score_tokens, select_chunks
 from specprefill_engine.core.sparse_prefill import cover_sliding_window
 from specprefill_engine.engine.vouch import needed_keep
 from specprefill_engine.loading import check_same_tokenizer, default_dtype
-from specprefill_engine.prose_tasks import is_right, rouge_l
+from specprefill_engine.prose_tasks import is_right, words
 
 KINDS = prose_tasks.KINDS + code_tasks.KINDS
 SCORERS = ("self", "layers", "draft")
+
+
+def rouge_l(text: str, reference: str) -> float:
+    """ROUGE-L F1 over lower-cased words: how much of the reference's word order a reply
+    keeps (the summary's score against the dense answer)."""
+    a, b = words(text), words(reference)
+    if not a or not b:
+        return float(a == b)
+    previous = [0] * (len(b) + 1)
+    for word in a:
+        row = [0]
+        for j, other in enumerate(b):
+            row.append(previous[j] + 1 if word == other else max(previous[j + 1], row[j]))
+        previous = row
+    common = previous[-1]
+    return 0.0 if common == 0 else 2 * common / (len(a) + len(b))
 
 
 def make_case(tokenizer, kind: str, length: int, seed: int):

@@ -20,7 +20,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from .core import (
     chunked_prefill, cleanup_rope, run_steps, score_tokens, select_chunks, sparse_prefill,
 )
-from .core.selection import effective_chunk_size, forced_tokens
+from .core.prefill import STEP_SIZE
+from .core.selection import CHUNK_SIZE, TAIL_TOKENS, effective_chunk_size, forced_tokens
 from .demo_tasks import KINDS, make_case
 from .engine import Engine
 from .engine.results import Progress
@@ -123,13 +124,13 @@ def _greedy(model, logits, cache, n: int, eos: set) -> list:
     return tokens
 
 
-def dense_answer(model, ids, n: int, eos: set, step_size: int = 2048) -> list:
+def dense_answer(model, ids, n: int, eos: set, step_size: int = STEP_SIZE) -> list:
     cache = make_prompt_cache(model)
     logits = run_steps(chunked_prefill(model, mx.array(ids), cache, step_size))
     return _greedy(model, logits[:, -1], cache, n, eos)
 
 
-def sparse_answer(model, ids, kept, n: int, eos: set, step_size: int = 2048) -> list:
+def sparse_answer(model, ids, kept, n: int, eos: set, step_size: int = STEP_SIZE) -> list:
     cache = make_prompt_cache(model)
     try:
         logits = sparse_prefill(model, ids, kept, cache, step_size=step_size)
@@ -138,8 +139,9 @@ def sparse_answer(model, ids, kept, n: int, eos: set, step_size: int = 2048) -> 
         cleanup_rope(model)
 
 
-def random_selection(rng: random.Random, length: int, n_kept: int, chunk_size: int = 32,
-                     tail_tokens: int = 32, keep_pct: Optional[float] = None) -> np.ndarray:
+def random_selection(rng: random.Random, length: int, n_kept: int,
+                     chunk_size: int = CHUNK_SIZE, tail_tokens: int = TAIL_TOKENS,
+                     keep_pct: Optional[float] = None) -> np.ndarray:
     """The same forced sink and tail as `select_chunks`, then random chunks (of the chunk
     size `select_chunks` uses at `keep_pct`, else `chunk_size`) up to `n_kept` tokens:
     the control that shows the task needs the right tokens."""

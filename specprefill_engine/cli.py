@@ -33,6 +33,9 @@ DISK_CACHE_GB = {"chat": 10.0, "serve": 10.0}  # per command; the others keep no
 PROGRESS_INTERVAL = 5.0  # seconds between plain progress lines when stderr is not a terminal
 PROGRESS_FLOOR = 1.0  # a phase done within its first report and this many seconds: not shown
 DEMO_MIN_TOKENS = 100  # room for the hidden facts and the question
+# an answer at the command line: room for a thinking model's reasoning and its answer,
+# where a library call keeps `SamplingParams`' shorter default
+ANSWER_TOKENS = 512
 
 
 class UsageError(Exception):
@@ -388,6 +391,16 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def server_default(name: str):
+    """A server setting's default, for --help: its `ServerConfig`'s (the server extra may
+    not be installed)."""
+    try:
+        from specprefill_server.app import ServerConfig
+    except ImportError:
+        return "the server's"
+    return getattr(ServerConfig, name)
+
+
 def parser() -> argparse.ArgumentParser:
     models = argparse.ArgumentParser(add_help=False)  # every command that loads an engine
     models.add_argument("--model", help="target model: local path or Hugging Face id (default: bundled demo)")
@@ -408,8 +421,8 @@ def parser() -> argparse.ArgumentParser:
     choice.add_argument("--specprefill", action="store_true",
                         help="always use SpecPrefill (default: when it is predicted to pay)")
     choice.add_argument("--no-specprefill", action="store_true", help="prefill the whole prompt")
-    common.add_argument("--max-tokens", type=int, default=512,
-                        help="most tokens in an answer (default 512)")
+    common.add_argument("--max-tokens", type=int, default=ANSWER_TOKENS,
+                        help=f"most tokens in an answer (default {ANSWER_TOKENS})")
     common.add_argument("--json", action="store_true",
                         help="print the result as JSON (chat: one JSON line per answer)")
     common.add_argument("--compare", action="store_true",
@@ -467,14 +480,17 @@ def parser() -> argparse.ArgumentParser:
                        "$SPECPREFILL_API_KEY")
     serve.add_argument("--served-model-name", help="the model id clients see (default: the "
                        "model's folder name)")
-    serve.add_argument("--max-batch-size", type=int, help="streams decoded together (default 32)")
+    serve.add_argument("--max-batch-size", type=int, help="streams decoded together "
+                       f"(default {EngineConfig.max_batch_size})")
     serve.add_argument("--max-queued", type=int, help="requests allowed to wait beyond the "
                        "batch; more get 429 (default: no bound, they wait)")
-    serve.add_argument("--keepalive", type=float,
-                       help="seconds between keep-alives while a stream prefills (default 5)")
+    serve.add_argument("--keepalive", type=float, help="seconds between keep-alives while a "
+                       f"stream prefills (default {server_default('keepalive')})")
     serve.add_argument("--drain-timeout", type=float, help="at SIGINT/SIGTERM, seconds running "
-                       "requests may finish in before they are aborted (default 30)")
-    serve.add_argument("--max-body-bytes", type=int, help="request body limit (default 32 MiB)")
+                       "requests may finish in before they are aborted "
+                       f"(default {server_default('drain_timeout')})")
+    serve.add_argument("--max-body-bytes", type=int, help="request body limit in bytes "
+                       f"(default {server_default('max_body_bytes')})")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(run=cmd_serve)

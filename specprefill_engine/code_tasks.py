@@ -62,7 +62,7 @@ CALLS = (
 
 
 @dataclass(frozen=True)
-class Case:
+class CodeCase:
     kind: str
     ids: list  # the whole prompt, token ids
     answer: str
@@ -148,7 +148,7 @@ FAMILIES = {"code_return": "literal", "code_const": "literal", "code_calls": "ca
             "code_far": "named"}
 
 
-def make_case(tokenizer, kind: str, length: int, seed: int, ask: int = 0) -> Case:
+def make_case(tokenizer, kind: str, length: int, seed: int, ask: int = 0) -> CodeCase:
     """A prompt of about `length` tokens (whole functions) of `kind`; `ask` picks which
     of the eligible functions or constants (in a seeded order) the question names: any
     function for `code_return` and `code_calls`, any module constant for `code_const`,
@@ -205,5 +205,5 @@ def make_case(tokenizer, kind: str, length: int, seed: int, ask: int = 0) -> Cas
         place(function, i == asked and kind != "code_const")
     pieces += [closing, encode(tail)]
     ids = [token for piece in pieces for token in piece]
-    return Case(kind, ids, answer, tuple(needles), tuple(spans), len(encode(" " + answer)) + 2,
+    return CodeCase(kind, ids, answer, tuple(needles), tuple(spans), len(encode(" " + answer)) + 2,
                 len(pieces[0]))

@@ -2,7 +2,10 @@
 
 Filler is Python source read from this interpreter's standard library at run time;
 needle lines are spliced in at chosen depths and the question closes the user turn.
-The same seed gives the same case on the same Python version.
+The same seed gives the same case on the same Python version. `make_case` feeds the
+CLI's `demo` and `eval`; `make_agent_session`, an agent's growing prompt in the same
+formats, is the loop that `benchmarks/agent.py` times and the tests replay, kept here so
+both run the very same turns.
 """
 
 import os
@@ -19,7 +22,7 @@ WORDS = (
 
 
 @dataclass(frozen=True)
-class Case:
+class DemoCase:
     kind: str
     context: str
     question: str
@@ -76,7 +79,7 @@ def _needles(rng: random.Random, kind: str) -> tuple:
     raise ValueError(f"unknown task kind {kind!r}; expected one of {KINDS}")
 
 
-def make_case(tokenizer, seed: int, kind: str = "passkey", n_tokens: int = 2048) -> Case:
+def make_case(tokenizer, seed: int, kind: str = "passkey", n_tokens: int = 2048) -> DemoCase:
     """A case whose chat prompt is about `n_tokens` tokens with `tokenizer`."""
     rng = random.Random(f"{kind}-{n_tokens}-{seed}")
     needles, question, answer = _needles(rng, kind)
@@ -89,7 +92,7 @@ def make_case(tokenizer, seed: int, kind: str = "passkey", n_tokens: int = 2048)
     depths = sorted(rng.random() for _ in needles)
     for depth, needle in sorted(zip(depths, needles), reverse=True):
         body.insert(int(depth * len(body)), needle)
-    return Case(kind, "".join(body), question, answer, tuple(round(d, 3) for d in depths))
+    return DemoCase(kind, "".join(body), question, answer, tuple(round(d, 3) for d in depths))
 
 
 @dataclass(frozen=True)

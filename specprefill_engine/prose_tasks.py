@@ -34,7 +34,7 @@ TRADES = ("a ferry", "a bakery", "a printing press", "a glassworks", "a school",
 
 
 @dataclass(frozen=True)
-class Case:
+class ProseCase:
     kind: str
     ids: list  # the whole prompt, token ids
     answer: str  # "" for a summary: scored against the dense answer
@@ -119,7 +119,7 @@ def layout(tokenizer, question: str, prefix: str) -> tuple:
     return "", f"\n\nQuestion: {question}\nAnswer: {prefix}"
 
 
-def make_case(tokenizer, kind: str, length: int, seed: int) -> Case:
+def make_case(tokenizer, kind: str, length: int, seed: int) -> ProseCase:
     """A prompt of about `length` tokens (whole paragraphs) of `kind`."""
     rng = random.Random(f"{kind}:{length}:{seed}")
     sentences, needed, question, prefix, answer = _needles(rng, kind)
@@ -153,30 +153,15 @@ def make_case(tokenizer, kind: str, length: int, seed: int) -> Case:
     pieces.append(tail_ids)
     ids = [token for piece in pieces for token in piece]
     max_tokens = 48 if kind == "summary" else len(encode(" " + answer)) + 2
-    return Case(kind, ids, answer, tuple(spans[i] for i in needed), max_tokens, len(head_ids))
+    return ProseCase(kind, ids, answer, tuple(spans[i] for i in needed), max_tokens, len(head_ids))
 
 
-def _words(text: str) -> list:
+def words(text: str) -> list:
     return re.findall(r"[a-z0-9]+", text.lower())
 
 
-def is_right(case: Case, text: str) -> bool:
+def is_right(case: ProseCase, text: str) -> bool:
     """Whether a reply opens with the answer (case and punctuation aside)."""
-    expected = _words(case.answer)
-    return _words(text)[: len(expected)] == expected
+    expected = words(case.answer)
+    return words(text)[: len(expected)] == expected
 
-
-def rouge_l(text: str, reference: str) -> float:
-    """ROUGE-L F1 over lower-cased words: how much of the reference's word order a reply
-    keeps (the summary's score against the dense answer)."""
-    a, b = _words(text), _words(reference)
-    if not a or not b:
-        return float(a == b)
-    previous = [0] * (len(b) + 1)
-    for word in a:
-        row = [0]
-        for j, other in enumerate(b):
-            row.append(previous[j] + 1 if word == other else max(previous[j + 1], row[j]))
-        previous = row
-    common = previous[-1]
-    return 0.0 if common == 0 else 2 * common / (len(a) + len(b))

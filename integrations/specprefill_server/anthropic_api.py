@@ -45,14 +45,14 @@ SERVER_TOOL_BLOCKS = ("server_tool_use", "mcp_tool_use")  # and every "*_tool_re
 BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block
 
 
-class Tool(Loose):
+class AnthropicTool(Loose):
     name: str
     description: Optional[str] = None
     input_schema: Optional[dict] = None
     type: Optional[str] = None
 
 
-class Message(Loose):
+class AnthropicMessage(Loose):
     role: Literal["user", "assistant", "system"]
     content: Union[str, list[dict]]
 
@@ -63,9 +63,9 @@ class Prompt(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    messages: list[Message] = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
     system: Union[str, list[dict], None] = None
-    tools: Optional[list[Tool]] = None
+    tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[dict] = None
     thinking: Optional[dict] = None
     output_config: Optional[dict] = None

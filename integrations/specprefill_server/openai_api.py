@@ -55,7 +55,7 @@ class Function(Loose):
     parameters: Optional[dict] = None
 
 
-class Tool(Loose):
+class ChatTool(Loose):
     type: Literal["function"] = "function"
     function: Function
 
@@ -71,7 +71,7 @@ class ToolCall(Loose):
     function: CalledFunction
 
 
-class Message(Loose):
+class ChatMessage(Loose):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict], None] = None
     tool_calls: Optional[list[ToolCall]] = None
@@ -105,9 +105,9 @@ class Common(Extensions):
 
 
 class ChatRequest(Common):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    tools: Optional[list[Tool]] = None
+    tools: Optional[list[ChatTool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
     parallel_tool_calls: bool = True
     response_format: Optional[dict] = None
@@ -350,6 +350,8 @@ async def sse(state, body: Common, rows: list, response_id: str, object_: str, m
     row's TokenLogprobs since its last choice, None unasked), the engine's report after a
     row's last one, the usage chunk (every row's summed), `[DONE]`."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    # a frame per token is the server's hot path: its fixed head and tail are made once
+    # and the choice comes as JSON text, rather than `sse_event` dumping a dict per token
     head = ('data: {"id":"%s","object":"%s","created":%d,"model":%s,'
             % (response_id, object_, int(time.time()), json.dumps(state.model_name)))
     tail = ',"usage":null}\n\n' if include_usage else "}\n\n"

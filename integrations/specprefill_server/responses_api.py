@@ -43,7 +43,8 @@ from specprefill_engine.engine.results import Progress
 from .calls import Call, Extensions, Loose, content_text, note_ignored, report, served, warn_once
 from .errors import APIError
 from .openai_api import (
-    CalledFunction, ChatRequest, Function, Message, Tool, ToolCall, chat_call, response_format,
+    CalledFunction, ChatMessage, ChatRequest, ChatTool, Function, ToolCall, chat_call,
+    response_format,
 )
 from .streaming import (
     KEEP_ALIVE, End, EventStream, KeepAlive, Opened, output_events, sse_event, whole_result,
@@ -233,7 +234,8 @@ class ToolNames:
 def chat_messages(body: ResponsesRequest, names: ToolNames) -> list:
     """`instructions` and `input` -> chat completions messages. An assistant turn (its
     reasoning, text and calls) lasts until the next user, system or tool message."""
-    messages = [Message(role="system", content=body.instructions)] if body.instructions else []
+    messages = ([ChatMessage(role="system", content=body.instructions)]
+                if body.instructions else [])
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) \
         else body.input
     for index, raw in enumerate(items):
@@ -243,14 +245,14 @@ def chat_messages(body: ResponsesRequest, names: ToolNames) -> list:
             continue
         turn = messages[-1] if messages and messages[-1].role == "assistant" else None
         if isinstance(item, FunctionCallOutput):
-            messages.append(Message(role="tool", tool_call_id=item.call_id,
-                                    content=_text(item.output, f"{where}.output")))
+            messages.append(ChatMessage(role="tool", tool_call_id=item.call_id,
+                                        content=_text(item.output, f"{where}.output")))
         elif isinstance(item, InputMessage) and item.role != "assistant":
-            messages.append(Message(role=item.role,
-                                    content=_text(item.content, f"{where}.content")))
+            messages.append(ChatMessage(role=item.role,
+                                        content=_text(item.content, f"{where}.content")))
         elif isinstance(item, (FunctionCall, CustomToolCall)):
             if turn is None:
-                turn = Message(role="assistant", content="")
+                turn = ChatMessage(role="assistant", content="")
                 messages.append(turn)
             if isinstance(item, FunctionCall):
                 name, arguments = names.model_name(item.name, item.namespace), item.arguments
@@ -261,7 +263,7 @@ def chat_messages(body: ResponsesRequest, names: ToolNames) -> list:
                 id=item.call_id, function=CalledFunction(name=name, arguments=arguments))]
         else:
             if turn is None or turn.content or turn.tool_calls:
-                turn = Message(role="assistant", content="")
+                turn = ChatMessage(role="assistant", content="")
                 messages.append(turn)
             if isinstance(item, Reasoning):
                 turn.reasoning_content = (turn.reasoning_content or "") + "".join(
@@ -314,8 +316,8 @@ def _tools(tools: Optional[list]) -> tuple:
         flat = tool.name if space is None or own_names.count(tool.name) == 1 \
             else f"{space}__{tool.name}"
         names.origin[flat] = (space, tool.name, raw["type"])
-        out.append(Tool(function=Function(name=flat, description=tool.description,
-                                          parameters=parameters)))
+        out.append(ChatTool(function=Function(name=flat, description=tool.description,
+                                              parameters=parameters)))
     return out or None, names
 
 

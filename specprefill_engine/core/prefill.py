@@ -1,13 +1,13 @@
 """The one chunked-prefill routine: dense or sparse, target or draft.
 
 Tokens go through the model a chunk at a time, each chunk in its own forward call
-so a scheduler can interleave other work between chunks. A chunk's cost grows with
-the entries already cached (attention), so on a CPU chunks are cost-balanced: the
-first is `step_size` tokens and later ones shrink so that each costs about as many
-FLOPs (`unit_tokens`). Chunk ends lie on the grid of a prefill from 0 and never
-depend on load, so a prompt's KV is the same whatever else runs, and a cached prefix
-cut at a chunk end continues in the same chunks as from scratch. A small last chunk
-runs right after the one before it, so it costs no scheduler turn.
+so a caller can interleave other work between chunks (the engine: decode steps). A
+chunk's cost grows with the entries already cached (attention), so on a CPU chunks are
+cost-balanced: the first is `step_size` tokens and later ones shrink so that each costs
+about as many FLOPs (`unit_tokens`). Chunk ends lie on the grid of a prefill from 0 and
+never depend on load, so a prompt's KV is the same whatever else runs, and a cached
+prefix cut at a chunk end continues in the same chunks as from scratch. A small last
+chunk runs right after the one before it, so it costs no turn of its own.
 With `positions` (sparse prefill: the kept tokens' original positions) every call
 gets its own position handling, removed right after it: RoPE at those positions
 (`positions.py`) and sliding-window masks by them (`windows.py`);
@@ -58,9 +58,11 @@ def prefill_weight(model: nn.Module, balanced: Optional[bool] = None) -> float:
     return unit_weight(model) if balanced else 0.0
 
 
+STEP_SIZE = 2048  # tokens per prefill chunk by default (the engine's on a GPU)
+
 # a last chunk costing at most this share of a unit runs right after the chunk before
-# it, without yielding in between: a 512-token prompt's 24-token tail on the demo
-# target would otherwise take a scheduler turn (and a decode step) of its own
+# it, without yielding in between: a short tail would otherwise take a turn of its own
+# (in the engine, a decode step by which the request starts later)
 TAIL_SHARE = 0.25
 
 
@@ -90,8 +92,8 @@ def _unit_ends(cached: int, step_size: int, weight: float) -> Iterator[int]:
 
 def chunk_plan(total: int, cached: int, step_size: int, weight: float) -> list:
     """(end, pause) for each chunk of `total` tokens fed after `cached` entries: where
-    it ends, and whether a scheduler turn may follow it (not before a last chunk that
-    costs at most `TAIL_SHARE` of a unit). The ends lie on the grid of a prefill from 0,
+    it ends, and whether a turn may follow it (not before a last chunk that costs at
+    most `TAIL_SHARE` of a unit). The ends lie on the grid of a prefill from 0,
     so after a cached prefix every chunk but the first and the last has the shape it
     has from scratch (a GPU's attention is planned per shape, see `fit_buffers`); a
     first piece up to the grid that costs at most `TAIL_SHARE` of a unit joins the
@@ -114,7 +116,7 @@ def fit_buffers(cache: list, tokens: int) -> None:
     `tokens`, so the chunk's attention reads contiguous keys of its end length. MLX's
     CUDA attention (cuDNN) builds a plan per shape and stride of the keys: a prefill
     continued from a restored prefix then reuses the plans of a prefill from 0 on the
-    same grid instead of building one per chunk (tens of ms each). Only for chunks of
+    same grid instead of building one per chunk. Only for chunks of
     at least mlx-lm's growth step, for which its own growth copies the cache anyway;
     smaller ones (a CPU's cost-balanced chunks at long context) keep its growth, which
     reuses the room it leaves."""
@@ -190,7 +192,7 @@ def chunked_prefill(
     cached_positions: Optional[np.ndarray] = None,
 ) -> Generator[tuple, None, Optional[mx.array]]:
     """Feed `tokens` in the chunks of `chunk_plan`, yielding (tokens done, tokens)
-    where the plan lets a scheduler turn in; the last yield is (total, total).
+    where the plan lets a turn in; the last yield is (total, total).
 
     Returns the last token's logits, shape (1, 1, vocab), or None when
     `want_logits` is False (only the cache is wanted, e.g. a draft before its

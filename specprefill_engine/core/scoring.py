@@ -19,7 +19,11 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from .adapters import AttentionSite, UnsupportedModelError, attention_sites, sees_whole_prompt
 from .positions import positioned_rope
-from .prefill import chunk_plan, chunked_prefill, logits_of
+from .prefill import STEP_SIZE, chunk_plan, chunked_prefill, logits_of
+
+# the scoring's defaults, here once (the engine's `EngineConfig` takes them too)
+N_LOOKAHEAD = 1  # queries: the prompt's last token's, then this many - 1 lookahead steps
+POOL_KERNEL = 13  # width of the average pool that smooths importance over neighbours
 
 CancelCheck = Optional[Callable[[], None]]
 
@@ -241,9 +245,9 @@ def check_score_arguments(prompt_length: int, n_lookahead: int, n_window: int,
 def score_steps(
     draft_model: nn.Module,
     tokens,
-    n_lookahead: int = 1,
-    pool_kernel: int = 13,
-    step_size: int = 2048,
+    n_lookahead: int = N_LOOKAHEAD,
+    pool_kernel: int = POOL_KERNEL,
+    step_size: int = STEP_SIZE,
     temperature: float = 0.0,
     n_window: int = 1,
     cache: Optional[list] = None,
@@ -318,9 +322,9 @@ def run_steps(steps: Generator, cancel_check: CancelCheck = None):
 def score_tokens(
     draft_model: nn.Module,
     tokens,
-    n_lookahead: int = 1,
-    pool_kernel: int = 13,
-    step_size: int = 2048,
+    n_lookahead: int = N_LOOKAHEAD,
+    pool_kernel: int = POOL_KERNEL,
+    step_size: int = STEP_SIZE,
     temperature: float = 0.0,
     cancel_check: CancelCheck = None,
     n_window: int = 1,
@@ -342,9 +346,9 @@ class DraftScorer:
     """A draft model that shares the target's tokenizer, as a Scorer."""
 
     model: nn.Module
-    n_lookahead: int = 1
-    pool_kernel: int = 13
-    step_size: int = 2048
+    n_lookahead: int = N_LOOKAHEAD
+    pool_kernel: int = POOL_KERNEL
+    step_size: int = STEP_SIZE
     temperature: float = 0.0
     n_window: int = 1
 

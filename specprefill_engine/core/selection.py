@@ -25,6 +25,13 @@ import numpy as np
 ArrayLike = Union[mx.array, np.ndarray]
 
 
+# the selection's defaults, here once (the engine's `EngineConfig` takes them too)
+KEEP = 0.3  # share of the prompt's tokens kept
+CHUNK_SIZE = 32  # tokens per chunk, halved down to 8 when the budget holds few chunks
+TAIL_TOKENS = 32  # the prompt's last tokens, always kept
+BACKBONE = 0.0  # share of chunks kept evenly spread, whatever their importance
+
+
 def _host(values: Optional[ArrayLike], dtype) -> Optional[np.ndarray]:
     if values is None:
         return None
@@ -43,8 +50,8 @@ def effective_chunk_size(free_budget: int, chunk_size: int, min_chunk_size: int 
     return size
 
 
-def forced_tokens(length: int, chunk_size: int = 32, backbone_pct: float = 0.0,
-                  tail_tokens: int = 32, start: int = 0, sink_tokens: int = 8,
+def forced_tokens(length: int, chunk_size: int = CHUNK_SIZE, backbone_pct: float = BACKBONE,
+                  tail_tokens: int = TAIL_TOKENS, start: int = 0, sink_tokens: int = 8,
                   must_keep: Optional[ArrayLike] = None) -> tuple[np.ndarray, np.ndarray]:
     """(must_keep mask, mask of the other always-kept tokens: sink, tail, backbone)."""
     positions = start + np.arange(length)
@@ -64,10 +71,10 @@ def forced_tokens(length: int, chunk_size: int = 32, backbone_pct: float = 0.0,
 
 def select_chunks(
     importance: ArrayLike,
-    keep_pct: float = 0.3,
-    chunk_size: int = 32,
-    backbone_pct: float = 0.0,
-    tail_tokens: int = 32,
+    keep_pct: float = KEEP,
+    chunk_size: int = CHUNK_SIZE,
+    backbone_pct: float = BACKBONE,
+    tail_tokens: int = TAIL_TOKENS,
     *,
     start: int = 0,
     must_keep: Optional[ArrayLike] = None,

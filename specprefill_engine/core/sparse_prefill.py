@@ -19,7 +19,7 @@ from .adapters import (
     takes_position_ids,
 )
 from .positions import install_rope
-from .prefill import chunked_prefill
+from .prefill import STEP_SIZE, chunked_prefill
 from .scoring import CancelCheck, run_steps
 
 
@@ -62,7 +62,7 @@ def sparse_prefill_steps(
     tokens,
     selected,
     cache,
-    step_size: int = 2048,
+    step_size: int = STEP_SIZE,
     position_offset: int = 0,
     cached_positions: Optional[np.ndarray] = None,
 ) -> Generator[tuple, None, tuple[mx.array, int]]:
@@ -93,7 +93,7 @@ def sparse_prefill(
     tokens,
     selected,
     cache,
-    step_size: int = 2048,
+    step_size: int = STEP_SIZE,
     position_offset: int = 0,
     cancel_check: CancelCheck = None,
     cached_positions: Optional[np.ndarray] = None,

@@ -235,17 +235,17 @@ class DecodeBatch:
             self._compact()
 
     def _compact(self) -> None:
-        keep = [i for i, handle in enumerate(self.slots) if handle is not None]
-        if len(keep) == len(self.slots):
+        occupied = [i for i, handle in enumerate(self.slots) if handle is not None]
+        if len(occupied) == len(self.slots):
             return
-        self.slots = [self.slots[i] for i in keep]
-        self.samplers = [self.samplers[i] for i in keep]
-        self.contexts = [self.contexts[i] for i in keep]
-        self._known = [self._known[i] for i in keep]
-        if not keep:
+        self.slots = [self.slots[i] for i in occupied]
+        self.samplers = [self.samplers[i] for i in occupied]
+        self.contexts = [self.contexts[i] for i in occupied]
+        self._known = [self._known[i] for i in occupied]
+        if not occupied:
             self.cache = self.inputs = self.logprobs = None
             return
-        indices = mx.array(keep, dtype=mx.int32)
+        indices = mx.array(occupied, dtype=mx.int32)
         for layer in self.cache:
             layer.filter(indices)
         self.inputs = self.inputs[indices]

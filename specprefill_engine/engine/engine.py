@@ -26,7 +26,8 @@ from .output import OutputProcessor
 from .results import Chunk, Progress, Result
 from .distributed import FollowerWorker, distributed_group
 from .runtime import (
-    EngineConfig, EngineInfo, check_count, check_draft_tokens, check_keep, load_runtime, load_target,
+    EngineConfig, EngineInfo, check_count, check_draft_tokens, check_keep, load_runtime,
+    load_target,
 )
 from .sampling import SamplingParams, check_keywords
 from .worker import Worker

@@ -60,7 +60,7 @@ class TurnOutcome:
 
 
 @dataclass
-class _Scoring:
+class _DraftWork:
     """A request's draft cache while it scores, and what the scoring captured."""
 
     cache: list
@@ -84,8 +84,8 @@ class Executor:
         self.snapshots: dict = {}  # handle -> {prefix length: Snapshot}
         self.held: dict = {}  # handle -> positions of a restored sparse prefix's entries
         self.windows: dict = {}  # handle -> SlidingWindows of its sparse prefill
-        self.groups: dict = {}  # handle -> its DecodeBatch or SoloDecode
-        self.scoring: dict = {}  # handle -> _Scoring (rank 0)
+        self.groups: dict = {}  # handle -> its DecodeBatch, SoloDecode or SpeculativeDecode
+        self.scoring: dict = {}  # handle -> _DraftWork (rank 0)
         self.drafts: dict = {}  # handle -> the draft's cache of its prompt, for its reply
         self.batch = DecodeBatch(model, group, sampling)
 
@@ -297,7 +297,7 @@ class Executor:
                     hit = Hit(self.draft_prefix.entries[unit.restore.key], unit.restore.cut,
                               unit.restore.cut)
                 cache, _ = PrefixCache.restore(scorer.model, hit, unit.restore.cut)
-                self.scoring[handle] = _Scoring(cache, scored_sites(scorer.model, unit.length,
+                self.scoring[handle] = _DraftWork(cache, scored_sites(scorer.model, unit.length,
                                                                     cache))
             work = self.scoring[handle]
             if unit.reduce:

@@ -65,8 +65,11 @@ def find_dense(state: RequestState, target: Optional[PrefixCache]) -> Optional[H
 def not_vouched(state: RequestState, runtime: Runtime) -> str:
     """Why the automatic policy must not engage the draft ("" when it may): its draft
     check (`vouch.py`) says it is not vouched for at the request's keep. The probe runs
-    here, on the first prompt that would engage, if it never ran for this pair. A keep
-    the caller gave is theirs: SpecPrefill runs, with a warning."""
+    here, on the first prompt that would engage, if it never ran for this pair (its
+    verdict is then saved for every later engine of the pair). It is not a plan
+    operation: it runs once per pair, not per request, on its own caches, and the
+    decision it feeds is this one, made now. A keep the caller gave is theirs:
+    SpecPrefill runs, with a warning."""
     check = runtime.vouch
     if check is None:
         return ""

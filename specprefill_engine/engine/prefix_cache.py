@@ -30,6 +30,13 @@ under the cache: `persist` hands it an entry worth keeping (a turn's last store,
 entry about to be evicted), `promote` reads one back on a miss when reading is
 predicted faster than prefilling what it adds. Memory stays the only place restores
 read from.
+
+One object serves both sides of the worker: the planner reads its index (`find`,
+entries' tokens and positions) and the executor its tensors (`store`, `restore`,
+`drop`), each entry holding both. Split in two, every store, merge and eviction would
+have to be made twice and kept in step across ranks; one object changed only by the
+calls above, in plan order, keeps them one fact. The executor resolves keys the plan
+names that a store in the same plan merged away (`merged`, `resolve`).
 """
 
 import logging

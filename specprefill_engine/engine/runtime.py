@@ -13,7 +13,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .._blas import blas_status
 from ..core import DraftScorer, Scorer
-from ..core.scoring import default_draft_step_size
+from ..core.prefill import STEP_SIZE
+from ..core.scoring import N_LOOKAHEAD, POOL_KERNEL, default_draft_step_size
+from ..core.selection import BACKBONE, CHUNK_SIZE, KEEP, TAIL_TOKENS
 from ..loading import DEMO_DRAFT, DEMO_TARGET, ModelLoadError, check_same_tokenizer, load_model
 from .batch import batching_support
 from .chat import DEFAULT_RECENT_CAP, DEFAULT_SYSTEM_CAP
@@ -33,7 +35,7 @@ def default_step_size() -> int:
     costs as much (attention grows with the context: `core.prefill.unit_tokens`). A
     unit must take well under a second so decoding streams keep flowing, so 256 on a
     CPU (docs/how-it-works.md, "Batching"); a GPU wants large chunks."""
-    return 256 if mx.default_device() == mx.cpu else 2048
+    return 256 if mx.default_device() == mx.cpu else STEP_SIZE
 
 
 def check_keep(keep, name: str = "keep") -> float:
@@ -65,13 +67,13 @@ class EngineConfig:
     scoring chunk) None pick the device's defaults on the worker; `kv_cache_bytes`
     None puts no byte limit on admitted requests' KV."""
 
-    keep: float = 0.3
+    keep: float = KEEP
     threshold: int = 1024
-    chunk_size: int = 32
-    tail_tokens: int = 32
-    backbone_pct: float = 0.0
-    n_lookahead: int = 1
-    pool_kernel: int = 13
+    chunk_size: int = CHUNK_SIZE
+    tail_tokens: int = TAIL_TOKENS
+    backbone_pct: float = BACKBONE
+    n_lookahead: int = N_LOOKAHEAD
+    pool_kernel: int = POOL_KERNEL
     step_size: Optional[int] = None
     draft_step_size: Optional[int] = None
     prefix_cache_bytes: int = 8 << 30  # kept only whole: an 8B model's KV at 32K is ~4.5 GiB
@@ -280,7 +282,7 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
     which only rank 0 holds.
     """
     if mx.default_device() == mx.cpu and blas_status().startswith("mlx.core was imported first"):
-        logger.warning("MLX runs on its reference BLAS (about 20x slower on a CPU): import "
+        logger.warning("MLX runs on its reference BLAS (far slower on a CPU): import "
                        "specprefill_engine before mlx or mlx_lm to load an optimized one")
     if config.step_size is None:
         config = replace(config, step_size=default_step_size())

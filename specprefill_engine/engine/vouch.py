@@ -51,6 +51,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from ..code_tasks import make_case
 from ..core import run_steps, score_steps, select_chunks
+from ..core.scoring import N_LOOKAHEAD, POOL_KERNEL
 from ..loading import cache_dir, save_json
 
 logger = logging.getLogger(__name__)
@@ -102,8 +103,8 @@ def needed_keep(importance, spans, must_keep=None, **selection) -> float:
     return 1.0
 
 
-def measure(target, draft, tokenizer, length: int, n_lookahead: int = 1,
-            pool_kernel: int = 13, **selection) -> Probe:
+def measure(target, draft, tokenizer, length: int, n_lookahead: int = N_LOOKAHEAD,
+            pool_kernel: int = POOL_KERNEL, **selection) -> Probe:
     """Score the questions of `PROBES`' probe of `length` with both models; `selection`:
     `select_chunks`' chunk_size, tail_tokens and backbone_pct as the engine selects."""
     kinds = dict(PROBES)[length]

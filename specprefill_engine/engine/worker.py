@@ -6,14 +6,15 @@ with its `Status`; it plans, the executor (`executor.py`) computes. Each turn of
 loop:
 1. takes new requests (blocking only when there is nothing to do) and ends the ones
    whose callers aborted;
-2. decides the turn's plan (`plan.py`): the stores and releases of requests that ended,
-   the joins of requests whose first token is out, one batched decode step, and one unit
-   of prefill work for the oldest admitted request (first come, first served: later
-   arrivals never stretch an earlier TTFT), a unit of its draft's scoring while it is
-   scored, plus a last chunk costing at most a quarter of a unit. A turn that starts
-   with a whole short prompt (surely dense, one chunk) goes on with the short prompts
-   next in line, up to one unit's cost and four prompts, each in its own forward (its KV
-   is what it would be alone), so requests arriving together start decoding together;
+2. decides the turn's plan (`plan.py`; a request's prefill decisions: `planner.py`): the
+   stores and releases of requests that ended, the joins of requests whose first token is
+   out, one decode step, and one unit of prefill work for the oldest admitted request
+   (first come, first served: later arrivals never stretch an earlier TTFT), a unit of
+   its draft's scoring while it is scored, plus a last chunk costing at most a quarter
+   of a unit. A turn that starts with a whole short prompt (surely dense, one chunk)
+   goes on with the short prompts next in line, up to one unit's cost and four prompts,
+   each in its own forward (its KV is what it would be alone), so requests arriving
+   together start decoding together;
 3. has the executor run the plan (the target's part on every rank of a sharded target:
    `distributed.py`), then takes its outcome: tokens to the callers (a prompt's first
    token too), a finished scoring's importance to the selection, each failure to its
@@ -25,8 +26,10 @@ their reserved KV fits `kv_cache_bytes`; otherwise it waits in the queue.
 Every request ends with a Result or an error, whatever happens, by one path (`_end`,
 its reason as data): a failure in any of a request's steps ends that request alone;
 submission and shutdown are ordered under one lock, requests still queued at shutdown
-end with finish_reason "abort", and if the loop itself fails every caller gets the
-error (`_fail`).
+end with finish_reason "abort". If the loop itself fails, `_fail` delivers the error
+to every caller without `_end`'s bookkeeping (no plan will run again to store or
+release anything). Densify jobs are the worker's own work, not requests: no caller
+waits on them, so they queue apart (`_jobs`) and end by being dropped.
 """
 
 import itertools
@@ -544,12 +547,7 @@ class Worker:
                 if state.status is Status.PREFILLED:
                     firsts.append((state, token, logprob))
                     continue
-                state.generated.append(token)
-                try:
-                    reason = state.output.accept(token, logprob)
-                except Exception as error:
-                    self._end(state, error=error)
-                    continue
+                reason = self._accept(state, token, logprob)
                 if reason is not None:
                     ended[handle] = (state, reason)
         for state, reason in ended.values():
@@ -569,14 +567,21 @@ class Worker:
                 self._scored(state, seconds, handle in outcome.scored,
                              outcome.scored.get(handle), runtime, caches)
 
+    def _accept(self, state: RequestState, token: int, logprob) -> Optional[str]:
+        """A sampled token to the request's output: its finish reason when it is done. A
+        failure there ends the request (it is `finished` after)."""
+        state.generated.append(token)
+        try:
+            return state.output.accept(token, logprob)
+        except Exception as error:
+            self._end(state, error=error)
+            return None
+
     def _first_token(self, state: RequestState, token: int, logprob, runtime: Runtime) -> None:
         """A prompt's first token out; the request joins a decode in the next plan."""
         state.timings.prefill = time.perf_counter() - state.started - state.timings.scoring
-        state.generated.append(token)
-        try:
-            reason = state.output.accept(token, logprob)
-        except Exception as error:
-            self._end(state, error=error)
+        reason = self._accept(state, token, logprob)
+        if state.finished:
             return
         feed = state.prefill
         runtime.costs.observe("repair" if state.repaired else "target", int(feed.tokens.size),
