@@ -19,6 +19,10 @@ prompt's KV first: the TTFT column shows that cost; decode tokens/s are the Resu
     .venv/bin/python benchmarks/speculative.py --target T --draft D --prompts 2 --tokens 48
     python benchmarks/speculative.py --target T --draft D --repeats 12 --json spec-gpu.json
     .venv/bin/python benchmarks/speculative.py --target T --draft D --engine --prompts 3
+
+With random weights (`--target-shape`, e.g. an 8B / 0.6B pair on a GPU) the draft's
+proposals are all but never taken, so `--engine` measures what a round costs there
+against a plain step: the speed at the real pair's acceptance follows from it.
 """
 
 import argparse
@@ -36,6 +40,7 @@ from specprefill_engine.engine.policy import shape_of
 from specprefill_engine.loading import load_model
 
 import mac_projection
+from random_models import add_pair_arguments, random_pair
 from tool_agent import ASK, TOOLS, make_task
 
 CODE = [
@@ -173,8 +178,9 @@ def engine_table(args, rows: list) -> list:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", required=True)
-    parser.add_argument("--draft", required=True)
+    parser.add_argument("--target")
+    parser.add_argument("--draft")
+    add_pair_arguments(parser)
     parser.add_argument("--kinds", nargs="+", default=["code", "tool"])
     parser.add_argument("--prompts", type=int, default=8, help="prompts per kind")
     parser.add_argument("--tokens", type=int, default=160, help="reply tokens")
@@ -184,6 +190,10 @@ def main():
                         help="the engine's num_draft_tokens against its plain decoding")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.target_shape:
+        args.target, args.draft = random_pair(args)
+    if not (args.target and args.draft):
+        parser.error("give --target and --draft, or --target-shape")
     if args.engine:
         rows = engine_rows(args)
         table = engine_table(args, rows)
