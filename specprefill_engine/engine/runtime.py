@@ -301,6 +301,11 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
         if config.num_draft_tokens and refused:
             raise ValueError(f"num_draft_tokens={config.num_draft_tokens}: speculative "
                              f"decoding cannot run here: {refused}")
+        if config.num_draft_tokens and mx.default_device() == mx.gpu \
+                and not mx.metal.is_available():
+            logger.warning("num_draft_tokens: speculative decoding was measured slower than "
+                           "plain decoding on a CUDA GPU (docs/benchmarks.md, 'Speculative "
+                           "decoding with the SpecPrefill draft')")
     except BaseException:
         if channel is not None:
             channel.post(TurnPlan(shutdown=True))  # the other ranks wait for plans: release them
