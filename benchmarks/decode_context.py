@@ -92,7 +92,7 @@ def attention_times(queries: int, keys: int, heads: int, kv_heads: int, repeats:
     return out
 
 
-async def main_async(args) -> dict:
+async def main_async(args) -> None:
     path = random_model_dir(args.shape) if args.shape else None
     model, _ = load_model(path) if path else load_model()
     ids = prompts(1, args.prompt, 4000, 7)[0]
@@ -126,7 +126,8 @@ async def main_async(args) -> dict:
                                            config.num_attention_heads,
                                            config.num_key_value_heads, args.repeats)
     print("attention", json.dumps(summary["attention"]), flush=True)
-    return summary
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
 
 
 def main():
@@ -134,10 +135,7 @@ def main():
     parser.add_argument("--step", type=int, default=2048, help="prefill chunk")
     parser.add_argument("--repair-queries", type=int, default=6700)
     parser.add_argument("--repair-keys", type=int, default=16800)
-    args = parser.parse_args()
-    summary = asyncio.run(main_async(args))
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+    asyncio.run(main_async(parser.parse_args()))
 
 
 if __name__ == "__main__":
