@@ -14,7 +14,7 @@ from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_case
 
 pytestmark = pytest.mark.timeout(600)
-REPLY = 48
+REPLY = 32
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def engines():
         yield plain, spec
 
 
-def messages(engine, seed: int = 3, n_tokens: int = 1500) -> list:
+def messages(engine, seed: int = 3, n_tokens: int = 1000) -> list:
     return make_case(engine.tokenizer, seed, "passkey", n_tokens).messages
 
 
