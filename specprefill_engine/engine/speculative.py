@@ -4,10 +4,12 @@ The draft that scored the prompt holds the prompt's KV afterwards (a dense reque
 draft computes it first), so it can propose the reply too: each round it proposes
 `count` tokens greedily, the target checks them in one forward, and the row takes every
 proposal up to the first the target would not have chosen, then the target's own token
-there. Greedy only, so the reply is plain decoding's; a round costs the draft's steps
-and one target forward of `count + 1` tokens, which pays where decode is bound by
-reading the weights (a Mac, a CPU) and not where it is bound by the host building each
-forward (docs/benchmarks.md, "Speculative decoding").
+there. Greedy only, so the reply is plain decoding's (in float32: in bfloat16 a forward
+of several tokens rounds otherwise than one-token steps, and a near-tie can go the
+other way). A round costs the draft's steps and one target forward of `count + 1`
+tokens, which pays where decode is bound by reading the weights (a Mac, a CPU) and not
+where it is bound by the host building each forward (docs/benchmarks.md, "Speculative
+decoding").
 
 A round's tokens come out together, read back at its end (no pipelining across rounds).
 Both caches are cut back to the tokens taken (mlx-lm's `trim_prompt_cache`), so a row
