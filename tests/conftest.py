@@ -14,6 +14,10 @@ TEST_MODELS = os.environ.get("SPECPREFILL_TEST_MODELS")
 # what the engine keeps across processes (the policy's observed costs) starts empty here,
 # so no test depends on what an earlier run measured
 os.environ["SPECPREFILL_CACHE_DIR"] = tempfile.mkdtemp(prefix="specprefill-tests-")
+# pytest-xdist's workers share the machine's cores: each BLAS gets its share of them, so
+# the workers' matmul threads do not take turns on the same cores (read as BLAS loads)
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
 
 import specprefill_engine  # noqa: E402,F401  (loads the optimized BLAS before MLX)
 
