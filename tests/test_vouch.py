@@ -66,23 +66,24 @@ def random_draft(tmp_path_factory):
     return save_with_demo_tokenizer(("llama", {}), tmp_path_factory.mktemp("random-draft"))
 
 
-def check_for(draft_path) -> vouch.DraftCheck:
+def check_for(draft_path, target_path=DEMO_TARGET) -> vouch.DraftCheck:
     settings = dict(n_lookahead=1, pool_kernel=13, chunk_size=32, tail_tokens=32,
                     backbone_pct=0.0)
-    key = {"target": str(DEMO_TARGET), "draft": str(draft_path), "settings": settings}
-    return vouch.DraftCheck(key, settings, 0.3, names=(str(draft_path), str(DEMO_TARGET)))
+    key = {"target": str(target_path), "draft": str(draft_path), "settings": settings}
+    return vouch.DraftCheck(key, settings, 0.3, names=(str(draft_path), str(target_path)))
 
 
 def test_a_verdict_persists_and_a_damaged_file_is_dropped(fresh_cache_dir, random_draft,
                                                           demo_pair, caplog):
-    target, _, tokenizer = demo_pair
-    draft, _ = load_model(str(random_draft))
-    check = check_for(random_draft)
+    # the tiny random model probes itself, quickly: keeping a verdict does not depend on it
+    tokenizer = demo_pair[2]
+    target = draft = load_model(str(random_draft))[0]
+    check = check_for(random_draft, random_draft)
     assert check.pending and check.verdict(0.3).vouched is None
     check.run(target, draft, tokenizer)
     assert not check.pending and check.path.is_file()
     assert check.path.parent == fresh_cache_dir / vouch.FOLDER
-    again = check_for(random_draft)
+    again = check_for(random_draft, random_draft)
     assert again.probe == check.probe and again.verdict(0.3) == check.verdict(0.3)
     saved = json.loads(check.path.read_text())
     damaged = {
@@ -99,11 +100,11 @@ def test_a_verdict_persists_and_a_damaged_file_is_dropped(fresh_cache_dir, rando
         check.path.write_text(text)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger=vouch.__name__):
-            loaded = check_for(random_draft)
+            loaded = check_for(random_draft, random_draft)
         assert loaded.pending, why  # measured anew on the first prompt that would engage
         assert "ignoring" in caplog.text, why
     loaded.run(target, draft, tokenizer)  # a new measurement replaces the damaged file
-    assert check_for(random_draft).probe == loaded.probe
+    assert check_for(random_draft, random_draft).probe == loaded.probe
     assert (loaded.probe.target, loaded.probe.draft) == (check.probe.target, check.probe.draft)
 
 
@@ -141,12 +142,16 @@ def test_a_random_draft_is_not_vouched_for_and_the_policy_declines(fresh_cache_d
     assert again.specprefill.reason == report.reason
 
 
-def test_the_check_can_run_at_load_or_not_at_all(fresh_cache_dir, random_draft, demo_pair):
+def test_the_check_can_run_at_load_or_not_at_all(fresh_cache_dir, random_draft, demo_pair,
+                                                tmp_path):
+    from models import save_with_demo_tokenizer
     from specprefill_engine.demo_tasks import make_case as demo_case
 
     messages = demo_case(demo_pair[2], 41, "passkey", 1200).messages
-    with Engine(model=str(DEMO_TARGET), draft=str(random_draft), draft_check="load") as engine:
-        assert engine.info.draft.vouched is False  # probed as it started
+    # a tiny random target probes quickly: that the probe ran as the engine started counts
+    target = save_with_demo_tokenizer(("llama", {}), tmp_path / "random-target")
+    with Engine(model=str(target), draft=str(random_draft), draft_check="load") as engine:
+        assert engine.info.draft.probe is not None and not engine.info.draft.vouched
     with Engine(model=str(DEMO_TARGET), draft=str(random_draft), draft_check="off") as engine:
         assert engine.info.draft.vouched is None and "off" in engine.info.draft.reason
         result = engine.generate_sync(messages, max_tokens=4, cache_prompt=False)
