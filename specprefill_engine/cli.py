@@ -84,7 +84,7 @@ class ProgressLine:
         self.terminal = sys.stderr.isatty()
         self.phase: Optional[str] = None
         self.last = self.started = self.written = time.monotonic()
-        self.shown = False
+        self.shown = self.complete = False  # complete: the phase's last line is out
 
     def __call__(self, progress) -> None:
         if not self.enabled:
@@ -96,6 +96,7 @@ class ProgressLine:
             self.phase, self.started, self.written = phase, self.last, now
         self.last = now
         done, total, elapsed = progress.done, progress.total, now - self.started
+        was_complete, self.complete = self.complete, done >= total
         if first and done >= total and elapsed < PROGRESS_FLOOR:
             return
         counts = f"{done}/{total} tokens ({elapsed:.1f}s)"
@@ -103,7 +104,8 @@ class ProgressLine:
             bar = "#" * (30 * done // max(total, 1))
             sys.stderr.write(f"\r{phase:>14} [{bar:-<30}] {counts}")
             self.shown = True
-        elif done >= total or now - self.written >= self.interval:
+        elif (done >= total and not was_complete) or (
+                done < total and now - self.written >= self.interval):
             sys.stderr.write(f"{phase}: {counts}\n")
             self.written, self.shown = now, True
         sys.stderr.flush()
@@ -113,7 +115,7 @@ class ProgressLine:
         if self.enabled and self.terminal and self.shown:
             sys.stderr.write("\n")
             sys.stderr.flush()
-        self.phase, self.shown = None, False
+        self.phase, self.shown, self.complete = None, False, False
 
 
 def make_engine(args, **config):

@@ -85,6 +85,22 @@ def test_piped_progress_in_tokens_per_phase_and_the_cut_answer():
     assert len(run.stdout.strip()) == 2  # the cut answer: two digits
 
 
+def test_a_dense_prompt_with_speculation_shows_the_drafts_prefill_once(demo_pair):
+    """The draft computing a dense prompt's KV for speculative decoding is its own phase,
+    not "scoring", and a phase's last line is written once."""
+    case = make_case(demo_pair[2], 6, "passkey", 900)  # below the threshold: dense
+    run = cli("ask", "-", "-q", case.question, "--num-draft-tokens", "2", "--max-tokens", "4",
+              "--json", input=case.context)
+    assert run.returncode == 0, run.stderr
+    payload = json.loads(run.stdout)
+    prompt = payload["usage"]["prompt_tokens"]
+    assert not payload["specprefill"]["engaged"] and payload["specprefill"]["speculative"]
+    assert "scoring:" not in run.stderr
+    assert len(re.findall(rf"^draft prefill: {prompt}/{prompt} tokens \(", run.stderr,
+                          re.M)) == 1, run.stderr
+    assert len(re.findall(rf"^prefill: {prompt}/{prompt} tokens \(", run.stderr, re.M)) == 1
+
+
 def test_quiet_leaves_only_what_the_user_must_know(tmp_path):
     assert parser().parse_args(["ask", "f.txt", "-q", "why?"]).max_tokens == 512
     (tmp_path / "doc.txt").write_text("x = 1\n")

@@ -60,7 +60,8 @@ class SpecPrefillReport:
 @dataclass
 class Progress:
     """A long phase's progress, in tokens: phase is "scoring" (prompt tokens through the
-    draft, of the prompt) or "prefill" (tokens through the target, of those it computes)."""
+    draft, of the prompt), "draft prefill" (the same, for a dense prompt whose reply the
+    draft will propose) or "prefill" (tokens through the target, of those it computes)."""
 
     phase: str
     done: int

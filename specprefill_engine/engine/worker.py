@@ -599,8 +599,9 @@ class Worker:
         dense prefill."""
         scoring = state.scoring
         scoring.busy += seconds
-        if state.progress:
-            state.emit(Progress("scoring", scoring.tokens_done(), int(state.tokens.size)))
+        if state.progress:  # with nothing to capture the draft only prefills (for speculation)
+            phase = "scoring" if scoring.capture.size else "draft prefill"
+            state.emit(Progress(phase, scoring.tokens_done(), int(state.tokens.size)))
         if not done:
             return
         caches = caches_for(state, caches)
