@@ -14,6 +14,7 @@
 #     bash benchmarks/pair_gpu.sh ttft           # TTFT at 8K / 16K / 32K -> $OUT
 #     bash benchmarks/pair_gpu.sh first          # a fresh engine's first requests at 16K
 #     bash benchmarks/pair_gpu.sh quality 540    # the quality grid, a process per kind, 540 s
+#     SCORERS=draft bash benchmarks/pair_gpu.sh quality 520 two_hop two_hop:32768  # jobs of its own
 #     bash benchmarks/pair_gpu.sh agent          # the agent loop with real tool calls
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,18 +56,25 @@ first)
     --draft "$PAIR/qwen2.5-coder-0.5b" --lengths 16384 --json "${OUT:-/tmp}/pair-first-request-gpu.json"
   ;;
 quality)
-  # one process per kind sharing the GPU (each its memory bounded), seeds round-robin over
-  # the lengths so a cut-short run has even cells; a rerun with the same files resumes
-  for kind in code_return code_calls code_far passkey multikey; do
+  # one process per job sharing the GPU (each its memory bounded), seeds round-robin over
+  # a job's lengths so a cut-short run has even cells; a rerun with the same files resumes,
+  # and cases docs/pair-quality-gpu.jsonl (or $DONE's files) holds are skipped, so the new
+  # lines add to it. A job is a kind, or KIND:LENGTH,LENGTH (default 4K-16K); SCORERS="draft"
+  # runs fewer scorers (the random control comes with the first). Logs in /tmp.
+  jobs=("${@:3}")
+  [ ${#jobs[@]} -gt 0 ] || jobs=(code_return code_calls code_far passkey multikey)
+  for job in "${jobs[@]}"; do
+    kind="${job%%:*}" lengths=4096,8192,16384 name="${job//[:,]/-}"
+    [[ "$job" != *:* ]] || lengths="${job#*:}"
     python3 benchmarks/real_models.py --models qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
       --folder "qwen2.5-coder-1.5b=$PAIR/qwen2.5-coder-1.5b" \
-      "qwen2.5-coder-0.5b=$PAIR/qwen2.5-coder-0.5b" --scorers draft self layers \
-      --draft-layers 0.5 --kinds "$kind" --lengths 4096 8192 16384 --n 100 \
-      --memory-limit 20 --until "${2:-540}" --jsonl "${OUT:-/tmp}/pair-quality-$kind.jsonl" \
-      2> "${OUT:-/tmp}/pair-quality-$kind.log" &
+      "qwen2.5-coder-0.5b=$PAIR/qwen2.5-coder-0.5b" --scorers ${SCORERS:-draft self layers} \
+      --draft-layers 0.5 --kinds "$kind" --lengths ${lengths//,/ } --n 100 \
+      --memory-limit 20 --until "${2:-540}" --jsonl "${OUT:-/tmp}/pair-quality-$name.jsonl" \
+      --done docs/pair-quality-gpu.jsonl ${DONE:-} 2> "/tmp/pair-quality-$name.log" &
   done
   wait
-  tail -n 2 "${OUT:-/tmp}"/pair-quality-*.log
+  tail -n 1 /tmp/pair-quality-*.log
   ;;
 agent)
   python3 benchmarks/tool_agent.py --target "$PAIR/qwen2.5-coder-1.5b" \
@@ -74,7 +82,7 @@ agent)
     --turns 10 --reply-tokens 256 --tool-seconds 0.5 --json "${OUT:-/tmp}/pair-tool-agent-gpu.json"
   ;;
 *)
-  echo "usage: $0 prepare|install|ttft|first|quality [seconds]|agent [tasks]" >&2
+  echo "usage: $0 prepare|install|ttft|first|quality [seconds [job...]]|agent [tasks]" >&2
   exit 2
   ;;
 esac

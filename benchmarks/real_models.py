@@ -17,7 +17,7 @@ summary scores ROUGE-L against the dense reply. Also recorded per selection: the
 of the needles' tokens it keeps (`cover`) and, per scorer, the least keep whose
 selection holds the answer's own tokens (`needs`, code kinds; the needles for prose),
 the measure the engine's draft check uses (`engine/vouch.py`). One JSON line per case,
-appended as it completes; a rerun skips the cases a file already has.
+appended as it completes; a rerun skips the cases a file (and any --done file) already has.
 
     nice -n 19 .venv/bin/python benchmarks/real_models.py --models smollm2 gemma3 \
         --kinds passkey multikey --lengths 2048 --n 20 --jsonl docs/real-models-cpu.jsonl
@@ -141,9 +141,10 @@ def run(args) -> None:
     out = Path(args.jsonl)
     out.touch()
     done = set()
-    for line in out.read_text().splitlines():
-        r = json.loads(line)
-        done.add((r["model"], r["kind"], r["length"], r["seed"]))
+    for path in [out, *args.done]:
+        for line in Path(path).read_text().splitlines():
+            r = json.loads(line)
+            done.add((r["model"], r["kind"], r["length"], r["seed"]))
     if args.memory_limit:  # side by side on one GPU, each process's buffer cache bounded
         mx.set_memory_limit(int(args.memory_limit * 2**30))
         mx.set_cache_limit(int(args.memory_limit * 2**30) // 7)
@@ -343,6 +344,9 @@ def main(argv=None) -> int:
     parser.add_argument("--step", type=int, default=512 if mx.default_device() == mx.cpu else 4096,
                         help="prefill and scoring chunk")
     parser.add_argument("--jsonl", help="append one line per case here (and resume from it)")
+    parser.add_argument("--done", nargs="*", default=[], metavar="JSONL",
+                        help="cases in these files count as done too (a grid grown over runs "
+                             "whose lines are merged into one file: a new run adds new cases)")
     parser.add_argument("--until", type=float, default=0,
                         help="start no case after this many seconds (a device call's limit)")
     parser.add_argument("--memory-limit", type=float, default=0, metavar="GB",
