@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .prose_tasks import is_right, layout
 
-__all__ = ["KINDS", "Case", "is_right", "make_case"]
+__all__ = ["KINDS", "CodeCase", "is_right", "make_case"]
 
 KINDS = ("code_return", "code_calls", "code_far", "code_const")
 VERBS = ("scale", "merge", "count", "parse", "load", "build", "clean", "score", "shift",

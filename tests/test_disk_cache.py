@@ -24,7 +24,8 @@ from models import HYBRID_CASES, ROPE_CASES, build, kept_chunks, save_with_demo_
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.engine.disk_cache import FOLDER, DiskCache
-from specprefill_engine.engine.prefix_cache import PrefixCache, snapshot
+from prefix_pair import PrefixPair
+from specprefill_engine.engine.kv_store import snapshot
 from specprefill_engine.loading import DEMO_DRAFT, DEMO_TARGET
 from test_prefix_cache import CASES as FAMILIES, feed, tokens
 from test_server import _free_port
@@ -62,12 +63,12 @@ def test_an_entry_read_back_restores_exactly_what_was_stored(name, sparse, tmp_p
     feed(model, cache, prompt[kept[done:]], kept[done:] if sparse else None)
     positions = kept if sparse else None
     disk = DiskCache(tmp_path / FOLDER, GB)
-    writer = PrefixCache(disk=disk.tier("model-a"))
+    writer = PrefixPair(disk=disk.tier("model-a"))
     key = writer.store(prompt, cache, positions, checkpoints, keep=0.3 if sparse else 1.0)
     writer.persist(key)
     disk.close()  # the writes done
 
-    reader = PrefixCache(disk=DiskCache(tmp_path / FOLDER, GB).tier("model-a"))
+    reader = PrefixPair(disk=DiskCache(tmp_path / FOLDER, GB).tier("model-a"))
     ids = np.concatenate([prompt[:250], tokens(40, 3)])
     for dense_only in (True, False):
         want = writer.find(ids, dense_only)
@@ -80,8 +81,8 @@ def test_an_entry_read_back_restores_exactly_what_was_stored(name, sparse, tmp_p
         assert (hit.shared, hit.cut) == (want.shared, want.cut)
         assert hit.describe().endswith("(disk)") and hit.entry.keep == want.entry.keep
         assert set(hit.entry.checkpoints) == set(want.entry.checkpoints)
-        got_cache, got_positions = PrefixCache.restore(model, hit, hit.cut)
-        want_cache, want_positions = PrefixCache.restore(model, want, want.cut)
+        got_cache, got_positions = reader.restore(model, hit, hit.cut)
+        want_cache, want_positions = writer.restore(model, want, want.cut)
         assert (got_positions is None) == (want_positions is None)
         if want_positions is not None:
             assert np.array_equal(got_positions, want_positions)
@@ -112,13 +113,13 @@ def test_bfloat16_kv_and_quantized_kv_go_through_the_file(tmp_path):
     for bits in (0, 8, 4):
         root = tmp_path / f"bits{bits}" / FOLDER
         disk = DiskCache(root, GB, bits)
-        writer = PrefixCache(disk=disk.tier("m"))
+        writer = PrefixPair(disk=disk.tier("m"))
         writer.persist(writer.store(prompt, cache))
         disk.close()
-        reader = PrefixCache(disk=DiskCache(root, GB).tier("m"))
+        reader = PrefixPair(disk=DiskCache(root, GB).tier("m"))
         hit = reader.promote(np.concatenate([prompt, tokens(5, 5)]))
-        keys = hit.entry.kv[0][0]
-        stored = writer.entries[0].kv[0][0]
+        keys = reader.held(hit.entry.key).kv[0][0]
+        stored = writer.held(0).kv[0][0]
         assert keys.dtype == mx.bfloat16 and keys.shape == stored.shape
         error = float(mx.abs(keys.astype(mx.float32) - stored.astype(mx.float32)).max())
         scale = float(mx.abs(stored.astype(mx.float32)).max())

@@ -5,7 +5,7 @@ if it had run alone; the engine serves the next request.
 Faults are injected at each stage of the executor (`tests/faults.py`: restore, prefill,
 join, decode, store), in a request's logits processor (sample) and in its output
 processing (output), for one request of a batch of 8. On 0945836 (checked with the same
-faults raised from `DecodeBatch.add`, `OutputProcessor.accept` and `PrefixCache.store`)
+faults raised from `DecodeBatch.add`, `OutputProcessor.accept` and the prefix cache's store)
 an error at a join, in output processing or at a store ended the worker
 (`EngineFailedError` for the rest of the batch), a processor of the wrong width failed
 its neighbours in the batch, and a schema llguidance cannot compile ended the engine;

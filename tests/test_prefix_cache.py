@@ -1,5 +1,6 @@
-"""PrefixCache on every cache type mlx-lm makes: plain KV cut anywhere, conv/SSM states
-and sliding windows restored from checkpoints, sparse entries, byte budgets, merging."""
+"""The prefix cache (its index and its tensors, driven together: `PrefixPair`) on every
+cache type mlx-lm makes: plain KV cut anywhere, conv/SSM states and sliding windows
+restored from checkpoints, sparse entries, byte budgets, merging."""
 
 import mlx.core as mx
 import numpy as np
@@ -9,7 +10,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from models import HYBRID_CASES, MAMBA, ROPE_CASES, build, kept_chunks, random_tokens
 from specprefill_engine.core import chunked_prefill
 from specprefill_engine.core.scoring import run_steps
-from specprefill_engine.engine.prefix_cache import PrefixCache, reusable, snapshot, supported
+from prefix_pair import PrefixPair
+from specprefill_engine.engine.kv_store import reusable, snapshot, supported
 
 CASES = {
     "qwen3": ROPE_CASES["qwen3"],
@@ -70,7 +72,7 @@ def test_next_turn_continues_from_the_longest_restorable_prefix(name):
     prompt, reply = tokens(300, 1), tokens(12, 2)
     cache, snapshots = one_turn(model, prompt, reply, [90, 200])
     assert supported(cache) and reusable(cache) == (name == "qwen3")
-    store = PrefixCache()
+    store = PrefixPair()
     store.store(np.concatenate([prompt, reply]), cache, checkpoints=snapshots)
     plain = name == "qwen3"
     turns = {  # next prompt -> (shared tokens, the cut a lookup must find)
@@ -86,7 +88,7 @@ def test_next_turn_continues_from_the_longest_restorable_prefix(name):
         if cut < shared:
             assert hit.describe() == f"checkpoint at {cut} of {shared} shared tokens"
         for _ in range(2):  # a restore leaves the entry as it was
-            restored, positions = PrefixCache.restore(model, hit, hit.cut)
+            restored, positions = store.restore(model, hit, hit.cut)
             assert positions is None
             assert_same_logits(feed(model, restored, ids[hit.cut:]), fresh(model, ids))
 
@@ -97,7 +99,7 @@ def test_lookup_prefers_the_longest_restorable_prefix_over_the_longest_shared():
     reply = tokens(10, 2)
     early, snapshots = one_turn(model, prompt, reply, [60])  # shares 200, checkpoint at 60
     late, at_150 = one_turn(model, prompt[:150], tokens(10, 3), [])  # shares 150
-    store = PrefixCache()
+    store = PrefixPair()
     store.store(np.concatenate([prompt, reply]), early, checkpoints={60: snapshots[60]})
     key = store.store(np.concatenate([prompt[:150], tokens(10, 3)]), late, checkpoints=at_150)
     hit = store.find(np.concatenate([prompt, tokens(10, 4)]))
@@ -115,14 +117,14 @@ def test_sparse_entry_restores_its_kept_entries_and_positions(name):
         feed(model, cache, prompt[kept[done:upto]], kept[done:upto])
         snapshots[boundary], done = snapshot(cache), upto
     feed(model, cache, prompt[kept[done:]], kept[done:])
-    store = PrefixCache()
+    store = PrefixPair()
     store.store(prompt, cache, kept, snapshots)
     ids = np.concatenate([prompt[:250], tokens(40, 3)])
 
     hit = store.find(ids)
     cut = 250 if name == "qwen3" else 230
     assert hit.cut == cut and hit.describe().endswith(f"({np.sum(kept < cut)} entries)")
-    restored, positions = PrefixCache.restore(model, hit, cut)
+    restored, positions = store.restore(model, hit, cut)
     assert np.array_equal(positions, kept[kept < cut])
     rest = np.arange(cut, ids.size)
     got = feed(model, restored, ids[cut:], rest)
@@ -132,7 +134,7 @@ def test_sparse_entry_restores_its_kept_entries_and_positions(name):
 
     dense = store.find(ids, dense_only=True)  # kept holds 0..63 without gaps
     assert (dense.shared, dense.cut) == (64, 64)
-    restored, positions = PrefixCache.restore(model, dense, 64)
+    restored, positions = store.restore(model, dense, 64)
     assert positions is None
     assert_same_logits(feed(model, restored, ids[64:]), fresh(model, ids))
 
@@ -166,12 +168,12 @@ def test_snapshot_holds_the_live_arrays_without_a_copy_and_survives_writes(name)
     decode(model, cache, reply[2:])
     assert all(np.array_equal(np.array(x), b) for x, b in zip(held, before))
 
-    store = PrefixCache()
+    store = PrefixPair()
     store.store(np.concatenate([prompt, reply]), cache, checkpoints={102: snap})
     ids = np.concatenate([prompt, reply[:2], tokens(20, 3)])
     hit = store.find(ids)
     assert hit.cut == 102
-    restored, _ = PrefixCache.restore(model, hit, hit.cut)
+    restored, _ = store.restore(model, hit, hit.cut)
     assert_same_logits(feed(model, restored, ids[102:]), fresh(model, ids))
 
 
@@ -185,7 +187,7 @@ def test_merging_moves_checkpoints_into_the_longer_entry():
     model = model_of("nemotron_h")
     prompt, reply = tokens(120, 1), tokens(6, 2)
     cache, snapshots = one_turn(model, prompt, [], [50, 90])
-    store = PrefixCache()
+    store = PrefixPair()
     first = store.store(prompt, cache, checkpoints={50: snapshots[50]})
     assert set(store.entries[first].checkpoints) == {50, 120}  # the live state at 120
     decode(model, cache, reply)
@@ -194,7 +196,7 @@ def test_merging_moves_checkpoints_into_the_longer_entry():
     assert list(store.entries) == [second] and second != first
     assert list(entry.checkpoints) == [50, 90, 120, 126]
     assert store.total_bytes == entry.nbytes == kv_bytes(cache, 126) + sum(
-        s.nbytes for s in entry.checkpoints.values())
+        s.nbytes for s in store.held(second).checkpoints.values())
     # the same prompt again: already held, nothing copied, only touched
     again, _ = one_turn(model, prompt, [], [])
     assert store.store(prompt, again) == second and store.total_bytes == entry.nbytes
@@ -209,7 +211,7 @@ def test_checkpoints_per_entry_are_bounded_to_the_longest():
     model = model_of("mamba")
     prompt = tokens(100, 1)
     cache, snapshots = one_turn(model, prompt, [], list(range(5, 100, 5)))
-    store = PrefixCache(max_checkpoints=4)
+    store = PrefixPair(max_checkpoints=4)
     key = store.store(prompt, cache, checkpoints=snapshots)
     assert list(store.entries[key].checkpoints) == [85, 90, 95, 100]
     assert store.total_bytes == 4 * snapshots[100].nbytes
@@ -220,7 +222,7 @@ def test_budget_evicts_least_recently_used_and_refuses_oversize_entries():
     prompts = [tokens(80, seed) for seed in (1, 2, 3)]
     turns = [one_turn(model, p, [], [40]) for p in prompts]
     size = kv_bytes(turns[0][0], 80) + 2 * turns[0][1][80].nbytes
-    store = PrefixCache(max_bytes=int(2.5 * size))
+    store = PrefixPair(max_bytes=int(2.5 * size))
     a, b = (store.store(p, c, checkpoints={40: s[40]}) for p, (c, s) in zip(prompts[:2], turns))
     assert store.total_bytes == 2 * size
     hit = store.find(np.concatenate([prompts[0][:60], tokens(5, 9)]))
@@ -233,7 +235,7 @@ def test_budget_evicts_least_recently_used_and_refuses_oversize_entries():
         store.drop(key)
     assert list(store.entries) == [a, c] and store.total_bytes == 2 * size
 
-    small = PrefixCache(max_bytes=size - 1)
+    small = PrefixPair(max_bytes=size - 1)
     assert small.store(prompts[0], turns[0][0], checkpoints={40: turns[0][1][40]}) is None
     assert not small.entries and small.total_bytes == 0
     assert small.store(prompts[0], turns[0][0]) is not None  # without the checkpoint it fits
@@ -243,7 +245,7 @@ def test_the_same_calls_give_the_same_entries_and_keys():
     """A sharded engine's ranks make the same calls: they must end up with the same
     entries under the same keys (evictions included)."""
     model = model_of("qwen3")
-    stores = [PrefixCache(), PrefixCache()]
+    stores = [PrefixPair(), PrefixPair()]
     for seed in range(4):
         ids = tokens(64, seed)
         cache = make_prompt_cache(model)
@@ -262,14 +264,14 @@ def test_the_same_calls_give_the_same_entries_and_keys():
 @pytest.mark.parametrize("name", ["mamba", "nemotron_h"])
 def test_one_hundred_agent_turns_keep_memory_flat(name):
     model = model_of(name)
-    store = PrefixCache()
+    store = PrefixPair()
     history = np.zeros(0, np.int32)
     checkpoint_bytes = []
     for turn in range(100):
         prompt = np.concatenate([history, tokens(8, 2 * turn + 1)])
         hit = store.find(prompt)
         assert (hit.cut if hit else 0) == history.size
-        cache, _ = PrefixCache.restore(model, hit, history.size)
+        cache, _ = store.restore(model, hit, history.size)
         feed(model, cache, prompt[history.size:])
         at_prompt_end = snapshot(cache)
         reply = tokens(4, 2 * turn + 2)
@@ -281,7 +283,7 @@ def test_one_hundred_agent_turns_keep_memory_flat(name):
         checkpoint_bytes.append(store.total_bytes - kv_bytes(cache, history.size))
     assert checkpoint_bytes[-1] == checkpoint_bytes[10] == 16 * at_prompt_end.nbytes
     ids = np.concatenate([history, tokens(8, 999)])
-    restored, _ = PrefixCache.restore(model, store.find(ids), history.size)
+    restored, _ = store.restore(model, store.find(ids), history.size)
     assert_same_logits(feed(model, restored, ids[history.size:]), fresh(model, ids))
 
 
@@ -289,7 +291,7 @@ def test_bad_cuts_and_checkpoints_are_named():
     model = model_of("qwen3_next")
     prompt = tokens(100, 1)
     cache, snapshots = one_turn(model, prompt, [], [40])
-    store = PrefixCache()
+    store = PrefixPair()
     with pytest.raises(ValueError, match="checkpoints: length 101"):
         store.store(prompt, cache, checkpoints={101: snapshots[40]})
     with pytest.raises(ValueError, match="checkpoints: the snapshot at 50 was taken after 40"):
@@ -300,4 +302,4 @@ def test_bad_cuts_and_checkpoints_are_named():
     hit = store.find(np.concatenate([prompt[:60], tokens(5, 2)]))
     assert hit.cut == 40 and hit.entry.restorable(39) == 0
     with pytest.raises(ValueError, match="cut 50 is not restorable"):
-        PrefixCache.restore(model, hit, 50)
+        store.restore(model, hit, 50)

@@ -24,7 +24,7 @@ from specprefill_engine._blas import CANDIDATES
 from specprefill_engine.core import sparse_prefill
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.engine import EngineFailedError, RequestFailedError
-from specprefill_engine.engine.prefix_cache import PrefixCache
+from prefix_pair import PrefixPair
 from specprefill_engine.loading import DEMO_TARGET
 
 pytestmark = pytest.mark.timeout(300)
@@ -293,7 +293,7 @@ def test_prefix_cache_refuses_an_entry_over_budget_without_copying_it(demo_pair)
     target(mx.array(tokens)[None], cache=cache)
     mx.eval([c.state for c in cache])
     size = sum(c.keys[..., :2000, :].nbytes + c.values[..., :2000, :].nbytes for c in cache)
-    store = PrefixCache(max_bytes=size // 2)
+    store = PrefixPair(max_bytes=size // 2)
     mx.reset_peak_memory()
     before = mx.get_active_memory()
     store.store(tokens, cache)

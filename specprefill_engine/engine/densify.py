@@ -27,7 +27,8 @@ from typing import Optional
 import numpy as np
 
 from ..core.prefill import chunk_plan, prefill_weight
-from .plan import Feed, Restore, Store, TurnPlan
+from .plan import Feed, Store
+from .planner import restore_of
 from .prefix_cache import PrefixCache
 
 
@@ -48,7 +49,7 @@ class Job:
 
     handle: int
     tokens: np.ndarray
-    replaces: Optional[int] = None  # the sparse entry's key, once stored
+    replaces: Optional[int] = None  # the sparse entry's key
     feed: Optional[Feed] = None  # once started: after a dense prefix, the rest
     stored: int = 0  # tokens kept as a dense entry so far
     failed: bool = False
@@ -64,15 +65,15 @@ def start(job: Job, model, target: PrefixCache, step_size: int) -> bool:
     cut = hit.cut if hit is not None else 0
     if cut >= job.tokens.size - 1:
         return False
-    restore = Restore(job.handle, hit.entry.key if cut else -1, cut)
-    job.feed = Feed(restore, job.tokens[cut:], cached=cut,
+    job.feed = Feed(restore_of(job.handle, hit, cut), job.tokens[cut:], cached=cut,
                     chunk_ends=chunk_plan(int(job.tokens.size - cut), cut, step_size,
                                           prefill_weight(model)))
     return True
 
 
-def plan_store(plan: TurnPlan, job: Job) -> None:
-    """Keep what the job has computed (a view of its cache, no copy)."""
-    if job.done > job.stored:
-        plan.stores.append(Store(job.handle, job.tokens[: job.done], densified=True))
-        job.stored = job.done
+def store(job: Job) -> Optional[Store]:
+    """Keep what the job has computed (a view of its cache, no copy), if anything new."""
+    if job.done <= job.stored:
+        return None
+    job.stored = job.done
+    return Store(job.handle, job.tokens[: job.done], densified=True)

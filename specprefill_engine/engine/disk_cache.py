@@ -1,9 +1,10 @@
 """The prefix caches' disk tier: entries kept across processes, within a byte budget.
 
 A conversation outlives its process (`chat` closed and reopened, a server restarted to
-change a flag, a laptop asleep): the memory tier (`prefix_cache.py`) hands this tier
-the entries worth keeping (a turn's last store, an entry about to be evicted) and, on a
-miss, asks it for one that reaches further.
+change a flag, a laptop asleep): the memory tier's index (`prefix_cache.py`) names the
+entries worth keeping (a turn's last store, an entry about to be evicted), which the
+executor writes here from its tensors (`kv_store.py`), and on a miss looks here for one
+that reaches further, which the executor reads back.
 
 Files. One safetensors file per entry, in `<cache_dir>/prefix-cache/<model>/`, where
 <model> hashes the model's identity (its folder, config, weight files' names, sizes
@@ -26,7 +27,7 @@ arrays are let go on the worker once written. The budget holds for the whole fol
 write that fails (a full disk, a read-only folder) turns the tier off with one warning:
 the caches go on in memory.
 
-Reads run on the worker when the memory tier asks, and only when they pay: the file's
+Reads run on the worker when a plan says so, and only when they pay: the file's
 size over the measured read rate (this process's reads, else the last process's, else
 the measured write rate) against the predicted prefill of what the file adds.
 """
@@ -49,7 +50,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .prefix_cache import Entry, Snapshot, extends, tree_nbytes
+from .kv_store import Held, Snapshot, tree_nbytes
+from .prefix_cache import Entry, extends
 
 logger = logging.getLogger(__name__)
 FORMAT = 2  # part of the model's folder name: another format is never read
@@ -180,13 +182,14 @@ def dequantized(parts: tuple, bits: int) -> mx.array:
     return mx.dequantize(*parts, group_size=QUANT_GROUP, bits=bits)
 
 
-def _tensors(entry: Entry, bits: int) -> tuple[list, dict]:
-    """The entry as (name, array) pairs, lazy, and the metadata that rebuilds it."""
+def _tensors(entry: Entry, held: Held, bits: int) -> tuple[list, dict]:
+    """The entry (its index entry and tensors) as (name, array) pairs, lazy, and the
+    metadata that rebuilds it."""
     tensors = [("tokens", entry.tokens.astype(np.int32))]
     if entry.positions is not None:
         tensors.append(("positions", entry.positions.astype(np.int64)))
     layers = []
-    for i, layer in enumerate(entry.kv):
+    for i, layer in enumerate(held.kv):
         if layer is None:
             layers.append("state")
             continue
@@ -201,7 +204,7 @@ def _tensors(entry: Entry, bits: int) -> tuple[list, dict]:
             else:
                 tensors.append((f"kv.{i}.{name}", x))
     checkpoints = {}
-    for length, snap in entry.checkpoints.items():
+    for length, snap in held.checkpoints.items():
         arrays: dict = {}
         states = {str(i): {"class": _class_name(kind),
                            "state": _encode(state, f"cp.{length}.{i}", arrays)}
@@ -209,7 +212,7 @@ def _tensors(entry: Entry, bits: int) -> tuple[list, dict]:
         checkpoints[str(length)] = {"fed": snap.fed, "layers": states}
         tensors += list(arrays.items())
     meta = {"layers": layers, "checkpoints": checkpoints, "keep": entry.keep,
-            "densified": entry.densified, "nbytes": entry.nbytes}
+            "densified": entry.densified, "nbytes": held.nbytes}
     return tensors, meta
 
 
@@ -517,9 +520,9 @@ class DiskTier:
         self.cache = cache
         self.identity = identity
         self.folder = cache.root / identity
-        self.index: dict = {}  # file name -> ((inode, size), stub Entry)
+        self.index: dict = {}  # file name -> ((inode, size), its index Entry)
         self.sizes: dict = {}  # file name -> bytes on disk
-        self.mine: dict = {}  # file name -> stub Entry: written by this process
+        self.mine: dict = {}  # file name -> its index Entry: written by this process
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -532,8 +535,8 @@ class DiskTier:
     # the index -------------------------------------------------------------------
 
     def entries(self) -> list:
-        """Stand-ins for this model's files, oldest first: entries with no arrays, which
-        `find`'s logic (tokens, positions, checkpoint lengths) runs on unchanged."""
+        """This model's files as index entries (no key), oldest first, which `find`'s
+        logic (tokens, positions, checkpoint lengths) runs on unchanged."""
         if self.cache.off:
             return []
         try:
@@ -581,11 +584,10 @@ class DiskTier:
         except (BrokenFile, OSError, ValueError, KeyError, TypeError) as error:
             self._broken(path, error)
             return None
-        kv = [None if kind == "state" else () for kind in meta["layers"]]
-        checkpoints = {int(length): None for length in meta["checkpoints"]}
-        return Entry(tokens, positions, kv, checkpoints, -1, nbytes=int(meta["nbytes"]),
-                     keep=float(meta["keep"]), densified=bool(meta["densified"]),
-                     disk=path.name)
+        checkpoints = tuple(sorted(int(length) for length in meta["checkpoints"]))
+        return Entry(tokens, positions, "state" not in meta["layers"], checkpoints,
+                     nbytes=int(meta["nbytes"]), keep=float(meta["keep"]),
+                     densified=bool(meta["densified"]), disk=path.name)
 
     def _broken(self, path: Path, error: BaseException) -> None:
         logger.warning("prefix cache on disk: %s is broken (%s); ignored and removed",
@@ -609,9 +611,9 @@ class DiskTier:
                      read_s, prefill_s)
         return read_s < prefill_s
 
-    def read(self, stub: Entry) -> Optional[Entry]:
-        """The file as a memory entry (its key unset), or None when it is gone or broken
-        (then removed)."""
+    def read(self, stub: Entry) -> Optional[Held]:
+        """The file's tensors, or None when it is gone, broken (then removed) or not what
+        `stub` (its index entry) says."""
         path = self.folder / stub.disk
         started = time.perf_counter()
         try:
@@ -631,14 +633,15 @@ class DiskTier:
             if _checksum([_header_crc(raw, len(order)), *crcs]) != \
                     header["__metadata__"]["checksum"]:
                 raise BrokenFile("the checksum does not match")
-            entry = self._entry(json.loads(header["__metadata__"]["specprefill"]), arrays)
+            held = self._held(json.loads(header["__metadata__"]["specprefill"]), arrays)
+            if tuple(held.checkpoints) != tuple(stub.checkpoints):
+                raise BrokenFile("its checkpoints are not its header's")
         except FileNotFoundError:
             self.index.pop(stub.disk, None)
             return None
         except (BrokenFile, OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
             self._broken(path, error)
             return None
-        entry.disk = stub.disk
         try:
             os.utime(path)  # recently used: the last to be evicted
         except OSError:
@@ -647,11 +650,10 @@ class DiskTier:
             self.stats.reads += 1
             self.stats.read_bytes += len(raw) + size
             self.stats.read_seconds += time.perf_counter() - started
-        return entry
+        return held
 
-    def _entry(self, meta: dict, arrays: dict) -> Entry:
-        tokens = np.array(arrays["tokens"], dtype=np.int32)
-        positions = np.array(arrays["positions"], dtype=np.int64) if "positions" in arrays else None
+    @staticmethod
+    def _held(meta: dict, arrays: dict) -> Held:
         kv = []
         for i, kind in enumerate(meta["layers"]):
             if kind == "state":
@@ -668,21 +670,20 @@ class DiskTier:
                       for i, layer in spec["layers"].items()}
             checkpoints[int(length)] = Snapshot(layers, spec["fed"],
                                                 tree_nbytes(list(layers.values())))
-        entry = Entry(tokens, positions, kv, dict(sorted(checkpoints.items())), -1,
-                      keep=float(meta["keep"]), densified=bool(meta["densified"]))
-        mx.eval(entry.kv)
-        entry.nbytes = entry.memory_bytes()
-        return entry
+        held = Held(kv, dict(sorted(checkpoints.items())))
+        mx.eval(held.kv)
+        return held
 
     # writing (the worker hands over) ----------------------------------------------------
 
-    def write(self, entry: Entry) -> Optional[str]:
-        """Queue the entry's file; its name, or None when it is not taken."""
+    def write(self, entry: Entry, held: Held) -> Optional[str]:
+        """Queue the file of an entry (its index entry and its tensors); its name, or
+        None when it is not taken."""
         if self.cache.off:
             return None
         bits = self.cache.bits
         try:
-            tensors, meta = _tensors(entry, bits)
+            tensors, meta = _tensors(entry, held, bits)
         except TypeError as error:
             self.cache.warn_once("state", "prefix cache on disk: %s", error)
             return None
@@ -704,9 +705,8 @@ class DiskTier:
             return None
         for old in supersedes:
             self.mine.pop(old, None)
-        self.mine[name] = Entry(entry.tokens, entry.positions,
-                                [None if layer is None else () for layer in entry.kv],
-                                dict.fromkeys(entry.checkpoints), -1, disk=name)
+        self.mine[name] = Entry(entry.tokens, entry.positions, entry.cuts_anywhere,
+                                entry.checkpoints, disk=name)
         return name
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from .executor import Executor
 from .plan import TurnPlan, decode_plan, encode_plan
-from .prefix_cache import prefix_cache_for
+from .kv_store import KVStore, serves
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +144,9 @@ class FollowerWorker:
         try:
             model = self._load()
             self.ready.set_result(None)
-            executor = Executor(model, prefix_cache_for(model, self.prefix_cache_bytes),
-                                self.group, sampling=False)
+            budget = self.prefix_cache_bytes
+            store = KVStore(budget) if serves(model, budget) else None
+            executor = Executor(model, store, self.group, sampling=False)
             channel = Channel(self.group)
             while not (plan := channel.receive()).shutdown:
                 outcome = executor.run(plan)

@@ -2,14 +2,14 @@
 
 The executor owns the tensors, by request handle: each prefilling request's target
 cache and the checkpoints taken on the way (models whose caches cannot be cut:
-`prefix_cache.py`), the decode batch (and the solo decodes of a model that cannot
+`kv_store.py`), the decode batch (and the solo decodes of a model that cannot
 batch, and a row whose reply the draft proposes: `speculative.py`), the prefix cache's
-KV, which every rank keeps alike by making the same calls on it, and on rank 0 the
-draft's caches while it scores (and while it proposes a reply), with the draft's prefix
-cache.
+tensors by the keys the plan names (`kv_store.KVStore`; the index is the planner's),
+and on rank 0 the draft's caches while it scores (and while it proposes a reply), with
+the draft's prefix-cache tensors, and the disk tier's reads and writes.
 It knows nothing of requests beyond their handles and, on rank 0, how each is sampled
 (`register`). It runs a `TurnPlan` in the plan's order and returns a `TurnOutcome`:
-the tokens sampled (a prompt's first included), the keys stores were kept under, the
+the tokens sampled (a prompt's first included), what each store and read kept, the
 importance of a finished scoring, seconds spent, and per-handle errors.
 
 Nothing a request does escapes `run`: a step, chunk or join that fails is that
@@ -29,15 +29,15 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from mlx_lm.models.cache import trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from ..core.prefill import cache_length, prefill_chunk
 from ..core.scoring import DraftScorer, capture_window, importance_of, lookahead_step, scored_sites
 from ..core.sparse_prefill import decode_shift
 from ..core.windows import SlidingWindows
 from .batch import DecodeBatch, SoloDecode, cut_cache
-from .plan import TurnPlan
-from .prefix_cache import Hit, PrefixCache, checkpointed, snapshot
+from .kv_store import KVStore, checkpointed, snapshot
+from .plan import Restore, TurnPlan
 from .sampling import RowSampler, read_logprobs, sample_rows
 from .speculative import SpeculativeDecode
 
@@ -49,8 +49,12 @@ _NO_TOKENS = mx.array([], dtype=mx.int32)  # what processors see before the firs
 class TurnOutcome:
     tokens: list = field(default_factory=list)  # (handle, token, TokenLogprob or None)
     failed: dict = field(default_factory=dict)  # handle -> error
-    stored: dict = field(default_factory=dict)  # handle -> the prefix-cache key it is kept as
-    draft_stored: dict = field(default_factory=dict)  # handle -> its draft prefix-cache key
+    # handle -> (checkpoint lengths, bytes) its store kept (absent: refused or failed)
+    stored: dict = field(default_factory=dict)
+    draft_stored: dict = field(default_factory=dict)  # the same, of the draft's store
+    cleared: bool = False  # a store failed on some rank: every rank's prefix cache is emptied
+    loaded: dict = field(default_factory=dict)  # (draft, key) -> bytes read, None: unreadable
+    persisted: list = field(default_factory=list)  # (Persist, its file name or None)
     seconds: dict = field(default_factory=dict)  # handle -> time in its prefill chunks
     # handle -> its scoring's end: the importance (np.ndarray), None (the draft only
     # computed the prompt's KV) or SpecPrefill's own error
@@ -70,8 +74,8 @@ class _DraftWork:
 
 
 class Executor:
-    def __init__(self, model, prefix: Optional[PrefixCache], group=None, sampling: bool = True,
-                 scorer: Optional[DraftScorer] = None, draft_prefix: Optional[PrefixCache] = None):
+    def __init__(self, model, prefix: Optional[KVStore], group=None, sampling: bool = True,
+                 scorer: Optional[DraftScorer] = None, draft_prefix: Optional[KVStore] = None):
         self.model = model
         self.prefix = prefix
         self.group = group  # a sharded target's process group
@@ -95,9 +99,13 @@ class Executor:
 
     def run(self, plan: TurnPlan) -> TurnOutcome:
         outcome = TurnOutcome()
-        if self.prefix is not None:
-            self.prefix.merged.clear()  # a plan's restores name entries as it was decided
-        stored = [self._store(s, outcome) for s in plan.stores]
+        for persist in plan.persists:
+            self._persist(persist, outcome)
+        for load in plan.loads:
+            self._load(load, outcome)
+        named = {r.key for r in plan.restores}  # absorbed entries these still restore from
+        later: list = []  # ... are dropped after them
+        stored = [self._store(s, outcome, named, later) for s in plan.stores]
         clear = False
         for key in plan.drops:
             self.prefix.drop(key)
@@ -120,8 +128,11 @@ class Executor:
         for unit in plan.scoring:
             if unit.handle not in outcome.failed:
                 self._score(unit, outcome)
+        for key in later:
+            self.prefix.drop(key)
         if clear:  # after this plan's restores, which name entries every rank holds
             self.prefix.clear()
+        outcome.cleared = clear
         return outcome
 
     def _guard(self, outcome: TurnOutcome, handle: int, work, *args) -> None:
@@ -135,9 +146,10 @@ class Executor:
 
     # target work ----------------------------------------------------------------
 
-    def _store(self, store, outcome: TurnOutcome) -> bool:
-        """Keep a request's cache for its next turn; a failure (a copy that cannot be
-        allocated) only leaves it out."""
+    def _store(self, store, outcome: TurnOutcome, named: set, later: list) -> bool:
+        """Keep a request's cache for its next turn, as the store says; the entries it
+        absorbs go (those a restore in this plan names after it). A failure (a copy that
+        cannot be allocated) only leaves it out."""
         handle = store.handle
         count = store.tokens.size if store.positions is None else store.positions.size
         try:
@@ -148,10 +160,12 @@ class Executor:
                 cache = self.groups[handle].extract(handle, count)
             checkpoints = {length: snap for length, snap in self.snapshots.get(handle, {}).items()
                            if length <= store.tokens.size}
-            key = self.prefix.store(store.tokens, cache, store.positions, checkpoints, store.keep,
-                                    store.densified)
-            if key is not None:
-                outcome.stored[handle] = key
+            held = self.prefix.put(store, cache, checkpoints)
+            if held is not None:
+                outcome.stored[handle] = (tuple(held.checkpoints), held.nbytes)
+                if not store.into:
+                    for key in store.absorbs:
+                        (later.append if key in named else self.prefix.drop)(key)
             return True
         except Exception as error:
             logger.warning("prefix-cache store of request #%d failed: %r", handle, error)
@@ -206,14 +220,10 @@ class Executor:
         """Every rank learns which stores and joins failed on any rank, and undoes
         them: a row must be in every rank's batch or in none. A store that failed
         somewhere leaves the ranks' prefix caches different: True, they are to be
-        cleared (after the plan's restores), and the next key is agreed (a rank that
-        stored used one, a rank that failed did not)."""
+        cleared (after the plan's restores; rank 0's index with them)."""
         local = np.array([not ok for ok in stored + joined], dtype=np.int32)
         anywhere = np.array(mx.distributed.all_sum(mx.array(local), group=self.group)) > 0
         clear = bool(anywhere[: len(stored)].any())
-        if clear:
-            agreed = mx.distributed.all_max(mx.array([self.prefix.next_key]), group=self.group)
-            self.prefix.next_key = int(agreed.item())
         for join, failed, ok in zip(plan.joins, anywhere[len(stored):], joined):
             if failed and ok:
                 self._release(join.handle)
@@ -240,15 +250,10 @@ class Executor:
             if isinstance(group, SpeculativeDecode):
                 outcome.drafted[group.rows[0]] = group.round
 
-    def _restore(self, restore) -> None:
-        hit = None
-        if restore.key >= 0:
-            key = self.prefix.resolve(restore.key)
-            hit = Hit(self.prefix.entries[key], restore.cut, restore.cut)
-            self.prefix.touch(key)
-        self.caches[restore.handle], held = PrefixCache.restore(self.model, hit, restore.cut)
-        if held is not None:
-            self.held[restore.handle] = held
+    def _restore(self, restore: Restore) -> None:
+        self.caches[restore.handle] = _restored(self.prefix, self.model, restore)
+        if restore.positions is not None:
+            self.held[restore.handle] = restore.positions
 
     def _chunk(self, chunk, outcome: TurnOutcome) -> None:
         started = time.perf_counter()
@@ -292,11 +297,7 @@ class Executor:
         scorer, handle = self.scorer, unit.handle
         try:
             if unit.restore is not None:
-                hit = None
-                if unit.restore.key >= 0:
-                    hit = Hit(self.draft_prefix.entries[unit.restore.key], unit.restore.cut,
-                              unit.restore.cut)
-                cache, _ = PrefixCache.restore(scorer.model, hit, unit.restore.cut)
+                cache = _restored(self.draft_prefix, scorer.model, unit.restore)
                 self.scoring[handle] = _DraftWork(cache, scored_sites(scorer.model, unit.length,
                                                                     cache))
             work = self.scoring[handle]
@@ -306,10 +307,12 @@ class Executor:
                     importance = np.array(importance_of(
                         scorer.model, work.sites, work.queries, work.cache, unit.length,
                         scorer.pool_kernel, scorer.n_window), dtype=np.float32)
-                if unit.store and self.draft_prefix is not None:
-                    key = self.draft_prefix.store(unit.tokens, work.cache)
-                    if key is not None:
-                        outcome.draft_stored[handle] = key
+                if unit.store is not None and self.draft_prefix is not None:
+                    held = self.draft_prefix.put(unit.store, work.cache, {})
+                    if held is not None:
+                        outcome.draft_stored[handle] = (tuple(held.checkpoints), held.nbytes)
+                        for key in () if unit.store.into else unit.store.absorbs:
+                            self.draft_prefix.drop(key)
                 if unit.keep:  # the prompt's KV, its lookahead steps cut off
                     trim_prompt_cache(work.cache, cache_length(work.cache) - unit.length)
                     self.drafts[handle] = work.cache
@@ -329,6 +332,23 @@ class Executor:
             outcome.scored[handle] = error
         outcome.scoring_seconds[handle] = time.perf_counter() - started
 
+    # the disk tier (rank 0: never on a sharded target) ----------------------------------
+
+    def _persist(self, persist, outcome: TurnOutcome) -> None:
+        """Hand an entry's tensors to its disk tier's writer (a file name when taken)."""
+        store = self.draft_prefix if persist.draft else self.prefix
+        held = store.held.get(persist.entry.key)
+        name = store.disk.write(persist.entry, held) if held is not None else None
+        outcome.persisted.append((persist, name))
+
+    def _load(self, load, outcome: TurnOutcome) -> None:
+        """Read an entry back from its file; None in the outcome when it cannot be read."""
+        store = self.draft_prefix if load.draft else self.prefix
+        held = store.disk.read(load.stub)
+        if held is not None:
+            store.add(load.key, held)
+        outcome.loaded[load.draft, load.key] = None if held is None else held.nbytes
+
     def clear(self) -> None:
         for table in (self.caches, self.snapshots, self.held, self.windows, self.scoring,
                       self.samplers, self.drafts):
@@ -339,3 +359,10 @@ class Executor:
             self.prefix.clear()
         if self.draft_prefix is not None:
             self.draft_prefix.clear()
+
+
+def _restored(store: Optional[KVStore], model, restore: Restore) -> list:
+    """A fresh cache for `restore`: empty, or from the store's entry it names."""
+    if store is None or restore.key < 0:
+        return make_prompt_cache(model)
+    return store.restore(model, restore.key, restore.cut, restore.count)

@@ -6,9 +6,11 @@ target, which receives its target work from rank 0 (`encode_plan` / `decode_plan
 broadcast by `distributed.py`). The draft's scoring units are rank 0's alone and do not
 travel.
 
-Order of a turn (the executor's): stores, drops, releases, demotions, joins, one decode step,
-restores, prefill chunks (the last of a prompt samples its first token), then a unit of
-the draft's scoring. Rows that ended in the last turn are stored and leave before the
+Order of a turn (the executor's): disk writes and reads of prefix-cache entries (rank 0
+alone), stores, drops, releases, demotions, joins, one decode step, restores, prefill
+chunks (the last of a prompt samples its first token), then a unit of the draft's
+scoring. Prefix-cache entries are named by the keys the planner's index
+(`prefix_cache.py`) gave them; a store carries what it does to them. Rows that ended in the last turn are stored and leave before the
 step; a request's prefill chunks run after it, so its first token comes in the turn of
 its last chunk and it joins the batch in the next.
 
@@ -25,23 +27,51 @@ import numpy as np
 @dataclass
 class Store:
     """Keep a request's cache for `tokens` (its prompt and the reply fed so far): every
-    position, or with `positions` the kept ones; with the checkpoints taken on the way."""
+    position, or with `positions` the kept ones; with the checkpoints taken on the way.
+    As prefix-cache entry `key`, absorbing the entries `absorbs` (their checkpoints move
+    over), or with `into`, adding only checkpoints to entry `key`, which holds it already
+    (`PrefixCache.plan_store` decides)."""
 
     handle: int
     tokens: np.ndarray
     positions: Optional[np.ndarray] = None
     keep: float = 1.0  # the share its selection kept (1.0: dense)
     densified: bool = False  # the dense KV of a SpecPrefill turn, computed while idle
+    key: int = -1
+    into: bool = False
+    absorbs: list = field(default_factory=list)
 
 
 @dataclass
 class Restore:
-    """Start a request's target cache: empty (key -1), or prefix-cache entry `key`'s
-    entries before position `cut` (a restorable cut: `Entry.restorable`)."""
+    """Start a request's cache: empty (key -1), or prefix-cache entry `key`'s `count`
+    entries before position `cut` (a restorable cut: `Entry.restorable`), at `positions`
+    (None: 0..count-1)."""
 
     handle: int
     key: int = -1
     cut: int = 0
+    count: int = 0
+    positions: Optional[np.ndarray] = None
+
+
+@dataclass
+class Load:
+    """Read prefix-cache entry `key` back from its disk tier's file (`stub`: the file's
+    index entry); of the draft's cache with `draft`. Rank 0 alone."""
+
+    key: int
+    stub: object
+    draft: bool = False
+
+
+@dataclass
+class Persist:
+    """Write prefix-cache entry `entry` (the index's) to its disk tier; of the draft's
+    cache with `draft`. Rank 0 alone."""
+
+    entry: object
+    draft: bool = False
 
 
 @dataclass
@@ -76,8 +106,8 @@ class ScoreUnit:
     the draft's cache from its prefix cache) or what came before; the prompt's last
     chunk `captures` the window's queries; a `lookahead` step adds a query; the `reduce`
     unit turns the queries into the importance (`tokens`: the whole prompt, kept with
-    the draft's cache in its prefix cache when `store`, and kept for speculative decoding
-    when `keep`). A draft that only computes the prompt's KV (a dense request that will
+    the draft's cache in its prefix cache as `store` says, and kept for speculative
+    decoding when `keep`). A draft that only computes the prompt's KV (a dense request that will
     decode speculatively) captures nothing: its `reduce` unit gives no importance."""
 
     handle: int
@@ -87,7 +117,7 @@ class ScoreUnit:
     captures: bool = False
     lookahead: bool = False
     reduce: bool = False
-    store: bool = False
+    store: Optional[Store] = None
     keep: bool = False
 
 
@@ -139,6 +169,8 @@ class Feed:
 
 @dataclass
 class TurnPlan:
+    persists: list = field(default_factory=list)  # Persist (rank 0)
+    loads: list = field(default_factory=list)  # Load (rank 0)
     stores: list = field(default_factory=list)
     drops: list = field(default_factory=list)  # prefix-cache keys to forget (the budget)
     releases: list = field(default_factory=list)  # handles whose target work ends
@@ -157,7 +189,8 @@ class TurnPlan:
                     or self.decode or self.restores or self.chunks or self.shutdown)
 
     def __bool__(self) -> bool:
-        return self.targets() or bool(self.scoring or self.draft_drops)
+        return self.targets() or bool(self.scoring or self.draft_drops or self.loads
+                                      or self.persists)
 
 
 # encoding for the broadcast: one int32 array, an op code then its fields ------------
@@ -175,9 +208,11 @@ def encode_plan(plan: TurnPlan) -> np.ndarray:
     out: list = []
     for store in plan.stores:
         positions = [] if store.positions is None else store.positions.tolist()
-        flags = int(store.positions is not None) | int(store.densified) << 1
+        flags = int(store.positions is not None) | int(store.densified) << 1 | \
+            int(store.into) << 2
         out += [_STORE, store.handle, round(store.keep * KEEP_SCALE), store.tokens.size,
-                len(positions), flags, *store.tokens.tolist(), *positions]
+                len(positions), flags, store.key, len(store.absorbs), *store.absorbs,
+                *store.tokens.tolist(), *positions]
     for key in plan.drops:
         out += [_DROP, key]
     for handle in plan.releases:
@@ -187,7 +222,9 @@ def encode_plan(plan: TurnPlan) -> np.ndarray:
     if plan.decode:
         out += [_DECODE]
     for restore in plan.restores:
-        out += [_RESTORE, restore.handle, restore.key, restore.cut]
+        positions = [] if restore.positions is None else restore.positions.tolist()
+        out += [_RESTORE, restore.handle, restore.key, restore.cut, restore.count,
+                int(restore.positions is not None), len(positions), *positions]
     for chunk in plan.chunks:
         n = int(chunk.tokens.size)
         flags = int(chunk.last) | int(chunk.positions is not None) << 1
@@ -204,12 +241,13 @@ def decode_plan(values: np.ndarray) -> TurnPlan:
     while i < len(values):
         op = values[i]
         if op == _STORE:
-            handle, keep, n, m, flags = values[i + 1 : i + 6]
-            i += 6
+            handle, keep, n, m, flags, key, a = values[i + 1 : i + 8]
+            absorbs = values[i + 8 : i + 8 + a]
+            i += 8 + a
             tokens = _array(values, i, n, np.int32)
             positions = _array(values, i + n, m, np.int64) if flags & 1 else None
             plan.stores.append(Store(handle, tokens, positions, keep / KEEP_SCALE,
-                                     bool(flags & 2)))
+                                     bool(flags & 2), key, bool(flags & 4), absorbs))
             i += n + m
         elif op == _DROP:
             plan.drops.append(values[i + 1])
@@ -225,8 +263,10 @@ def decode_plan(values: np.ndarray) -> TurnPlan:
             plan.decode = True
             i += 1
         elif op == _RESTORE:
-            plan.restores.append(Restore(*values[i + 1 : i + 4]))
-            i += 4
+            handle, key, cut, count, sparse, m = values[i + 1 : i + 7]
+            positions = _array(values, i + 7, m, np.int64) if sparse else None
+            plan.restores.append(Restore(handle, key, cut, count, positions))
+            i += 7 + m
         elif op == _CHUNK:
             handle, flags, checkpoint, n = values[i + 1 : i + 5]
             i += 5

@@ -33,9 +33,10 @@ from ..core.adapters import check_sparse_prefill_supported, sliding_window
 from ..core.prefill import chunk_cost, chunk_plan, prefill_weight
 from ..core.scoring import check_score_arguments, score_plan
 from ..core.sparse_prefill import cover_sliding_window
-from .plan import Feed, Restore, ScoreUnit
+from .kv_store import checkpointed
+from .plan import Feed, Restore, ScoreUnit, Store
 from .policy import RECHECK_GAIN, expected_kept, predict, shapes_gain
-from .prefix_cache import Hit, PrefixCache, checkpointed
+from .prefix_cache import Hit, PrefixCache
 from .runtime import Runtime
 from .sampling import RowSampler
 from .state import RequestState, Scoring, Status
@@ -46,7 +47,8 @@ REPLY_TOKENS = 512  # the most reply tokens a reuse decision counts decode for
 
 @dataclass
 class PrefixCaches:
-    """The target's prefix cache (dense and sparse entries) and the draft's."""
+    """The indexes of the target's prefix cache (dense and sparse entries) and of the
+    draft's."""
 
     target: Optional[PrefixCache] = None
     draft: Optional[PrefixCache] = None
@@ -132,9 +134,8 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches,
 def _set_feed(state: RequestState, runtime: Runtime, hit: Optional[Hit], cut: int,
               tokens: np.ndarray, positions: Optional[np.ndarray]) -> None:
     """What the target computes: `tokens` after `hit`'s entries before position `cut`."""
-    used = hit is not None and cut > 0
-    restore = Restore(state.handle, hit.entry.key if used else -1, cut if used else 0)
-    cached = hit.entry.count_before(cut) if used else 0
+    restore = restore_of(state.handle, hit, cut)
+    cached = restore.count
     weight = prefill_weight(runtime.model)
     chunk_ends = chunk_plan(int(tokens.size), cached, runtime.config.step_size, weight)
     checkpoints = {}
@@ -144,6 +145,15 @@ def _set_feed(state: RequestState, runtime: Runtime, hit: Optional[Hit], cut: in
     state.prefill = Feed(restore, tokens, positions, cached, chunk_ends, checkpoints)
     state.usage.cached_tokens = cached
     state.status = Status.PREFILLING
+
+
+def restore_of(handle: int, hit: Optional[Hit], cut: int) -> Restore:
+    """Restore `hit`'s entries before position `cut` for `handle` (nothing without a hit
+    or a cut)."""
+    if hit is None or cut <= 0:
+        return Restore(handle)
+    entry = hit.entry
+    return Restore(handle, entry.key, cut, entry.count_before(cut), entry.held_before(cut))
 
 
 def plan_dense(state: RequestState, runtime: Runtime, hit: Optional[Hit]) -> None:
@@ -170,7 +180,7 @@ def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixC
         draft.touch(hit.entry.key)
     cut, capture_from = score_plan(length, cut, scorer.step_size, scorer.n_window,
                                    not checkpointed(scorer.model))
-    restore = Restore(state.handle, hit.entry.key if hit is not None and cut else -1, cut)
+    restore = restore_of(state.handle, hit, cut)
     chunk_ends = chunk_plan(capture_from - cut, cut, scorer.step_size, 0.0)
     feed = Feed(restore, state.tokens[cut:capture_from], cached=cut, chunk_ends=chunk_ends)
     state.usage.draft_cached_tokens = cut
@@ -188,7 +198,7 @@ def start_draft_feed(state: RequestState, runtime: Runtime,
     cut = hit.entry.restorable(hit.cut) if hit is not None else 0
     if cut:
         draft.touch(hit.entry.key)
-    restore = Restore(state.handle, hit.entry.key if cut else -1, cut)
+    restore = restore_of(state.handle, hit, cut)
     feed = Feed(restore, state.tokens[cut:], cached=cut,
                 chunk_ends=chunk_plan(length - cut, cut, scorer.step_size, 0.0))
     state.usage.draft_cached_tokens = cut
@@ -196,10 +206,10 @@ def start_draft_feed(state: RequestState, runtime: Runtime,
     state.status = Status.SCORING
 
 
-def scoring_units(state: RequestState, store: bool) -> list:
+def scoring_units(state: RequestState, draft: Optional[PrefixCache]) -> list:
     """The draft's work for this turn: the next chunks up to a pause, else the capturing
-    chunk, else a lookahead step, else the reduction (`store`: keep the draft's cache in
-    its prefix cache; and for speculative decoding, for the reply)."""
+    chunk, else a lookahead step, else the reduction (keeping the draft's cache in its
+    prefix cache `draft`, if any; and for speculative decoding, for the reply)."""
     scoring, handle, length = state.scoring, state.handle, int(state.tokens.size)
     feed = scoring.feed
     first = feed.fed == 0 and not scoring.captured
@@ -215,6 +225,10 @@ def scoring_units(state: RequestState, store: bool) -> list:
     if scoring.lookahead:
         scoring.lookahead -= 1
         return [ScoreUnit(handle, length, lookahead=True)]
+    store = None
+    if draft is not None:
+        store = Store(handle, state.tokens)
+        draft.plan_store(store)
     return [ScoreUnit(handle, length, state.tokens, restore, reduce=True, store=store,
                       keep=state.speculative)]
 
@@ -383,25 +397,28 @@ def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixCach
     plan_dense(state, runtime, find_dense(state, caches.target))
 
 
-def promote(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
-    """Before any lookup: what the disk tiers hold beyond memory, read back where that
-    pays. A dense prefix for every request; for one that may be scored, any stored view
-    and the draft's prompt KV too."""
-    if caches.target is not None:
-        caches.target.promote(state.tokens, dense_only=True)
-    if runtime.scorer is None or state.specprefill is False:
-        return
-    if caches.target is not None:
-        caches.target.promote(state.tokens)
-    if caches.draft is not None:
-        caches.draft.promote(state.tokens)
+def promote(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> list:
+    """Before any lookup: what the disk tiers hold beyond memory, to read back where that
+    pays (`Load`s, run before the request is admitted). A dense prefix for every request;
+    for one that may be scored, any stored view and the draft's prompt KV too."""
+    caches = caches_for(state, caches)
+    target, draft = caches.target, caches.draft
+    loads = [target.promote(state.tokens, dense_only=True)] if target is not None else []
+    if runtime.scorer is not None and state.specprefill is not False:
+        if target is not None:
+            loads.append(target.promote(state.tokens))
+        if draft is not None:
+            load = draft.promote(state.tokens)
+            if load is not None:
+                load.draft = True
+            loads.append(load)
+    return [load for load in loads if load is not None]
 
 
 def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
     """Decide the request's prefill: scoring (then `plan_sparse`) or a dense feed, after
     the draft's own feed of the prompt when it is to propose the reply."""
     caches = caches_for(state, caches)
-    promote(state, runtime, caches)
     dense_hit = find_dense(state, caches.target)
     report = state.report
     report.engaged, report.reason = decide(state, runtime, caches, dense_hit)

@@ -22,7 +22,7 @@ from .chat import DEFAULT_RECENT_CAP, DEFAULT_SYSTEM_CAP
 from .disk_cache import model_identity
 from .distributed import Channel, agree
 from .plan import TurnPlan
-from .prefix_cache import checkpointed
+from .kv_store import checkpointed
 from .policy import CostModel, cost_model
 from .speculative import speculative_support
 from .vouch import DraftCheck, DraftVerdict

@@ -93,6 +93,7 @@ class RequestState:
     repaired: int = 0  # tokens of dropped passages its prefill feeds after later entries
     stored_reply: Optional[int] = None  # at its end: reply tokens its kept cache holds
     speculative: bool = False  # its draft keeps the prompt's KV to propose its reply
+    promoted: bool = False  # the disk tier was consulted for it (before admission)
 
     def __post_init__(self):
         self.usage.prompt_tokens = int(self.tokens.size)

@@ -42,7 +42,6 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx

@@ -51,10 +51,11 @@ from .delivery import one_delivery
 from .disk_cache import FOLDER as DISK_FOLDER, DiskCache, DiskStats
 from .distributed import Watchdog
 from .executor import Executor, TurnOutcome
-from .plan import Join, Store, TurnPlan
+from .kv_store import KVStore
+from .plan import Join, Persist, Store, TurnPlan
 from .planner import (
     PrefixCaches, begin, caches_for, fall_back_to_dense, find_dense, plan_dense, plan_sparse,
-    scoring_units, short_prefill_share, speculation,
+    promote, scoring_units, short_prefill_share, speculation,
 )
 from .prefix_cache import PrefixCache, prefix_cache_for
 from .results import Progress
@@ -88,9 +89,11 @@ def make_disk_cache(runtime: Runtime) -> Optional[DiskCache]:
                      config.prefix_cache_disk_bits)
 
 
-def make_prefix_caches(runtime: Runtime, disk: Optional[DiskCache] = None) -> PrefixCaches:
-    """The target's prefix cache (every rank keeps one alike) and the draft's (rank 0),
-    each over its model's disk tier in `disk`."""
+def make_prefix_caches(runtime: Runtime, disk: Optional[DiskCache] = None
+                       ) -> tuple[PrefixCaches, list]:
+    """The indexes of the target's prefix cache and of the draft's (the planner's), and
+    their tensors' stores (the executor's: the target's, the draft's; None where there is
+    no cache), each over its model's disk tier in `disk`."""
     config, costs = runtime.config, runtime.costs
 
     def cache_for(model, budget: int, identity: str, which: str):
@@ -102,15 +105,17 @@ def make_prefix_caches(runtime: Runtime, disk: Optional[DiskCache] = None) -> Pr
             # peer restores
             return costs.predict(which, tokens, cached) if costs.measured() else float("inf")
 
-        return prefix_cache_for(model, budget, tier, predict)
+        index = prefix_cache_for(model, budget, tier, predict)
+        return index, (KVStore(budget, disk=tier) if index is not None else None)
 
     scorer_model = getattr(runtime.scorer, "model", None)
-    draft = None
+    draft, draft_store = None, None
     if scorer_model is not None:
-        draft = cache_for(scorer_model, config.draft_prefix_cache_bytes, runtime.identities[1],
-                          "draft")
-    target = cache_for(runtime.model, config.prefix_cache_bytes, runtime.identities[0], "target")
-    return PrefixCaches(target, draft)
+        draft, draft_store = cache_for(scorer_model, config.draft_prefix_cache_bytes,
+                                       runtime.identities[1], "draft")
+    target, store = cache_for(runtime.model, config.prefix_cache_bytes, runtime.identities[0],
+                              "target")
+    return PrefixCaches(target, draft), [store, draft_store]
 
 
 def _same_start(tokens: np.ndarray, stored: np.ndarray, length: int = 64) -> bool:
@@ -133,13 +138,14 @@ class Worker:
         self._handles = itertools.count(1)
         # worker-only state
         self._jobs: deque = deque()  # SpecPrefill turns to densify while idle
-        self._replacing: dict = {}  # handle of a sparse turn stored this plan -> its job
+        self._persists: list = []  # Persist ops for the next plan
         self.densify_stats = densify.DensifyStats()
         self.disk_stats: Optional[DiskStats] = None  # the disk tier's, when it has one
         self.draft_check = None  # the runtime's `DraftCheck` (it holds no model), once loaded
         self._reserved = 0
         self.runtime: Optional[Runtime] = None
         self.executor: Optional[Executor] = None
+        self.prefix_caches: Optional[PrefixCaches] = None
         self._watchdog: Optional[Watchdog] = None
 
     # caller side ---------------------------------------------------------------
@@ -193,9 +199,10 @@ class Worker:
         self.draft_check = runtime.vouch
         disk = make_disk_cache(runtime)
         self.disk_stats = disk.stats if disk is not None else None
-        caches = make_prefix_caches(runtime, disk)
-        self.executor = Executor(runtime.model, caches.target, runtime.group,
-                                 scorer=runtime.scorer, draft_prefix=caches.draft)
+        caches, (store, draft_store) = make_prefix_caches(runtime, disk)
+        self.prefix_caches = caches  # for inspection only, as `runtime`
+        self.executor = Executor(runtime.model, store, runtime.group,
+                                 scorer=runtime.scorer, draft_prefix=draft_store)
         if runtime.group is not None:
             self._watchdog = Watchdog(runtime.config.rank_timeout, self._rank_lost)
         ranks = runtime.group.size() if runtime.group is not None else 1
@@ -220,7 +227,7 @@ class Worker:
             if disk is not None:
                 disk.close()  # the queued writes finish; their arrays are let go here
             self.executor.clear()
-            self.runtime = self.executor = None
+            self.runtime = self.executor = self.prefix_caches = None
             del runtime, caches  # the models are freed here, on their own thread
             mx.synchronize()
             mx.clear_cache()
@@ -233,14 +240,16 @@ class Worker:
 
     def _turn(self, runtime: Runtime, caches: PrefixCaches) -> bool:
         live = self._live()
-        idle = not any(s.status is not Status.ENDED for s in live) and not self._jobs
+        idle = not any(s.status is not Status.ENDED for s in live) and not (
+            self._jobs or self._persists)
         if not self._take_new(block=idle):
             return False
         if self.failure is not None:
             return False
         live = self._live()
         self._end_aborted(live)
-        plan = TurnPlan()
+        plan = TurnPlan(persists=self._persists)
+        self._persists = []
         self._plan_endings(plan, live, caches.target)
         self._plan_joins(plan, live, runtime, caches.target)
         plan.decode = any(s.status is Status.DECODING for s in live)
@@ -248,10 +257,9 @@ class Worker:
         live = self._live()
         if caches.target is not None:
             self._plan_densify(plan, live, runtime, caches.target)
-            pinned = {r.key for r in plan.restores}
-            head = self._head(live)
-            if head is not None and head.prefill is not None:
-                pinned.add(head.prefill.restore.key)  # held while the request prefills
+            for restore in plan.restores:
+                caches.target.touch(restore.key)
+            pinned = {r.key for r in plan.restores} | self._pinned(live)
             plan.drops += caches.target.evictions(pinned)
         if caches.draft is not None:
             plan.draft_drops = caches.draft.evictions(
@@ -265,46 +273,79 @@ class Worker:
             outcome = self.executor.run(plan)
             if self._watchdog is not None:
                 self._watchdog.turn_started = None
-            self._persist(plan, outcome, caches)
+            self._commit(plan, outcome, caches)
             self._absorb(plan, outcome, runtime, caches)
             self._densified(plan, outcome)
         return True
 
     @staticmethod
-    def _spill(plan: TurnPlan, caches: PrefixCaches) -> None:
-        """Entries about to be evicted go to the disk tier, if there is one."""
-        for cache, keys in ((caches.target, plan.drops), (caches.draft, plan.draft_drops)):
-            if cache is not None and cache.disk is not None:
-                for key in keys:
-                    cache.persist(key)
+    def _pinned(live: list) -> set:
+        """Prefix-cache keys a planned restore that has not run yet names: a store must
+        not absorb them, an eviction not drop them."""
+        return {s.prefill.restore.key for s in live
+                if s.prefill is not None and s.prefill.fed == 0 and s.prefill.restore.key >= 0}
 
     @staticmethod
-    def _persist(plan: TurnPlan, outcome: TurnOutcome, caches: PrefixCaches) -> None:
-        """What is worth keeping on disk: a store whose work is released in the same plan
-        is its last (a turn's prompt and reply, a finished densify), and the draft's
-        prompt KV, stored once a scoring is done."""
+    def _spill(plan: TurnPlan, caches: PrefixCaches) -> None:
+        """Entries about to be evicted go to the disk tier, if there is one."""
+        for cache, keys, draft in ((caches.target, plan.drops, False),
+                                   (caches.draft, plan.draft_drops, True)):
+            for key in keys if cache is not None else ():
+                entry = cache.worth_persisting(key)
+                if entry is not None:
+                    plan.persists.append(Persist(entry, draft))
+
+    def _commit(self, plan: TurnPlan, outcome: TurnOutcome, caches: PrefixCaches) -> None:
+        """The indexes take what the plan's disk reads, stores and drops did, and queue
+        for the next plan the writes worth keeping on disk: a store whose work is released
+        in the same plan is its last (a turn's prompt and reply, a finished densify), and
+        the draft's prompt KV, stored once a scoring is done."""
         target, draft = caches.target, caches.draft
-        if target is not None and target.disk is not None:
+        for persist, name in outcome.persisted:
+            if name is not None:
+                persist.entry.disk = name
+        for (is_draft, key), nbytes in outcome.loaded.items():
+            (draft if is_draft else target).loaded(key, nbytes)
+        if target is not None:
+            if outcome.cleared:
+                target.clear()
+            for store in plan.stores if not outcome.cleared else ():
+                target.commit(store, *outcome.stored.get(store.handle, (None,)))
+            for key in plan.drops:
+                target.drop(key)
             released = set(plan.releases)
             for store in plan.stores:
-                if store.handle in released and store.handle in outcome.stored:
-                    target.persist(outcome.stored[store.handle])
-        if draft is not None and draft.disk is not None:
-            for key in outcome.draft_stored.values():
-                draft.persist(key)
+                if store.handle in released:
+                    self._persist_later(target, store.key, False)
+        for unit in plan.scoring:
+            if unit.store is not None:
+                draft.commit(unit.store, *outcome.draft_stored.get(unit.handle, (None,)))
+                self._persist_later(draft, unit.store.key, True)
+        for key in plan.draft_drops:
+            draft.drop(key)
+
+    def _persist_later(self, cache: PrefixCache, key: int, draft: bool) -> None:
+        entry = cache.worth_persisting(key)
+        if entry is not None:
+            self._persists.append(Persist(entry, draft))
 
     def _keep_last_turns(self, caches: PrefixCaches) -> None:
         """At shutdown: the stores of requests that ended after the last plan (their
-        results are out, their caches not kept yet), so the disk tier has every turn."""
+        results are out, their caches not kept yet), then every write still queued, so
+        the disk tier has every turn."""
         plan = TurnPlan()
         self._plan_endings(plan, self._live(), caches.target)
-        if plan.stores:
+        for _ in range(2):
+            plan.persists, self._persists = self._persists, []
+            if not plan:
+                return
             try:
                 outcome = self.executor.run(plan)
             except Exception as error:  # shutting down: the turn is only not kept
                 logger.warning("keeping the last turns at shutdown failed: %r", error)
                 return
-            self._persist(plan, outcome, caches)
+            self._commit(plan, outcome, caches)
+            plan = TurnPlan()
 
     def _take_new(self, block: bool) -> bool:
         """Wait for a submission when there is nothing to do; False once told to stop."""
@@ -336,9 +377,9 @@ class Worker:
             if state.status is not Status.LEAVING:
                 continue
             if state.stored_reply is not None and target is not None:
-                self._plan_store(plan, state, state.stored_reply)
+                store = self._plan_store(plan, state, state.stored_reply, target, live)
                 if state.positions is not None and self.runtime.config.densify != "off":
-                    self._add_job(plan.stores[-1].tokens, state.handle)
+                    self._add_job(store.tokens, store.key)
             plan.releases.append(state.handle)
             self._forget(state)
 
@@ -349,16 +390,15 @@ class Worker:
 
     # densify ---------------------------------------------------------------------
 
-    def _add_job(self, tokens: np.ndarray, handle: int) -> None:
-        """A SpecPrefill turn to densify, first in line unless a job is under way: the
-        newest turn is the one an agent's next turn extends. Queued turns it extends are
-        not needed."""
+    def _add_job(self, tokens: np.ndarray, replaces: int) -> None:
+        """A SpecPrefill turn to densify (its sparse entry's key: `replaces`), first in
+        line unless a job is under way: the newest turn is the one an agent's next turn
+        extends. Queued turns it extends are not needed."""
         jobs = [job for job in self._jobs if job.feed is not None or not (
             job.tokens.size <= tokens.size and np.array_equal(job.tokens, tokens[: job.tokens.size]))]
-        job = densify.Job(next(self._handles), tokens)
+        job = densify.Job(next(self._handles), tokens, replaces)
         at = 1 if jobs and jobs[0].feed is not None else 0
         self._jobs = deque(jobs[:at] + [job] + jobs[at:])
-        self._replacing[handle] = job
 
     def _plan_densify(self, plan: TurnPlan, live: list, runtime: Runtime,
                       target: PrefixCache) -> None:
@@ -371,7 +411,10 @@ class Worker:
             plan.releases.append(job.handle)
             self._jobs.popleft()
             return
-        densify.plan_store(plan, job)
+        store = densify.store(job)
+        if store is not None:
+            target.plan_store(store, self._pinned(live))
+            plan.stores.append(store)
         if job.feed is not None and job.feed.done:  # done: the dense KV replaces
             if job.replaces is not None:  # the sparse entry
                 plan.drops.append(job.replaces)
@@ -391,12 +434,7 @@ class Worker:
             self.densify_stats.decode_units += 1
 
     def _densified(self, plan: TurnPlan, outcome: TurnOutcome) -> None:
-        """The keys sparse turns were stored as (their jobs drop them when done) and
-        the densify units' work."""
-        for handle, job in list(self._replacing.items()):
-            if handle in outcome.stored:
-                job.replaces = outcome.stored[handle]
-        self._replacing.clear()
+        """The densify units' work."""
         stats = self.densify_stats
         for chunk in plan.chunks:
             if self._jobs and chunk.handle == self._jobs[0].handle:
@@ -415,15 +453,18 @@ class Worker:
             return 0
         return len(state.generated) - (0 if state.report.batched else 1)
 
-    @staticmethod
-    def _plan_store(plan: TurnPlan, state: RequestState, replied: int) -> None:
+    def _plan_store(self, plan: TurnPlan, state: RequestState, replied: int,
+                    target: PrefixCache, live: list) -> Store:
         """Keep the request's cache: its prompt and the first `replied` tokens of its reply."""
         tokens = np.concatenate([state.tokens, np.asarray(state.generated[:replied], np.int32)])
         positions = state.positions
         if positions is not None:
             positions = np.concatenate([positions, state.tokens.size + np.arange(replied)])
         keep = state.report.keep if state.positions is not None else 1.0
-        plan.stores.append(Store(state.handle, tokens, positions, keep, densified=state.densified))
+        store = Store(state.handle, tokens, positions, keep, densified=state.densified)
+        target.plan_store(store, self._pinned(live))
+        plan.stores.append(store)
+        return store
 
     def _plan_joins(self, plan: TurnPlan, live: list, runtime: Runtime,
                     target: Optional[PrefixCache]) -> None:
@@ -435,7 +476,7 @@ class Worker:
         alone = len(joining) == 1 and not decoding
         for state in joining:
             if state.cache_prompt and target is not None and state.positions is None:
-                self._plan_store(plan, state, replied=0)  # the prompt's KV
+                self._plan_store(plan, state, 0, target, live)  # the prompt's KV
             if state.speculative and not alone:
                 state.speculative = False
                 state.report.speculative = "off: another request was starting to decode"
@@ -472,14 +513,13 @@ class Worker:
                     share = max(share, SHORT_PREFILL_FLOOR)
                 if spent and (share is None or spent + share > 1 + 1e-9):
                     return  # it waits for a turn of its own
-                if not self._admit(waiting, live, runtime, caches):
+                if not self._admit(waiting, live, runtime, caches, plan):
                     return
                 if waiting.finished:
                     continue  # it failed at admission
                 state = waiting
             if state.status is Status.SCORING:
-                store = state.cache_prompt and caches.draft is not None
-                plan.scoring += scoring_units(state, store)
+                plan.scoring += scoring_units(state, caches_for(state, caches).draft)
                 return
             state.prefill.add_unit(plan, int(state.tokens.size))
             if state.prefill.done:
@@ -489,8 +529,9 @@ class Worker:
             spent += share
 
     def _admit(self, state: RequestState, live: list, runtime: Runtime,
-               caches: PrefixCaches) -> bool:
-        """Start the oldest waiting request's prefill, if the batch and KV budget allow."""
+               caches: PrefixCaches, plan: TurnPlan) -> bool:
+        """Start the oldest waiting request's prefill, if the batch and KV budget allow,
+        after reading back what the disk tier holds for it (a turn of its own)."""
         running = sum(s.status in (Status.JOINING, Status.DECODING) for s in live)
         need = (state.tokens.size + state.max_tokens) * runtime.kv_bytes_per_token
         budget = runtime.config.kv_cache_bytes
@@ -498,6 +539,12 @@ class Worker:
             return False
         if budget is not None and running and self._reserved + need > budget:
             return False  # it waits; a request alone is always admitted
+        if not state.promoted:
+            state.promoted = True
+            loads = promote(state, runtime, caches)
+            if loads:
+                plan.loads += loads
+                return False  # admitted next turn, where its lookup finds what is read
         state.reserved_bytes = need
         self._reserved += need
         try:
