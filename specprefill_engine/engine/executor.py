@@ -103,12 +103,12 @@ class Executor:
             self._persist(persist, outcome)
         for load in plan.loads:
             self._load(load, outcome)
-        named = {r.key for r in plan.restores}  # absorbed entries these still restore from
-        later: list = []  # ... are dropped after them
+        named = {r.key for r in plan.restores}  # entries these restore from go after them
+        later: list = []
         stored = [self._store(s, outcome, named, later) for s in plan.stores]
         clear = False
         for key in plan.drops:
-            self.prefix.drop(key)
+            self._drop(key, named, later)
         for key in plan.draft_drops:
             self.draft_prefix.drop(key)
         for handle in plan.releases:
@@ -163,13 +163,19 @@ class Executor:
             held = self.prefix.put(store, cache, checkpoints)
             if held is not None:
                 outcome.stored[handle] = (tuple(held.checkpoints), held.nbytes)
-                if not store.into:
-                    for key in store.absorbs:
-                        (later.append if key in named else self.prefix.drop)(key)
+                for key in () if store.into else store.absorbs:
+                    self._drop(key, named, later)
             return True
         except Exception as error:
             logger.warning("prefix-cache store of request #%d failed: %r", handle, error)
             return False
+
+    def _drop(self, key: int, named: set, later: list) -> None:
+        """Drop a prefix-cache entry now, or after this plan's restores if one names it."""
+        if key in named:
+            later.append(key)
+        else:
+            self.prefix.drop(key)
 
     def _release(self, handle: int) -> None:
         for table in (self.caches, self.snapshots, self.held, self.windows, self.scoring,
