@@ -22,7 +22,6 @@ reading is predicted faster than prefilling what it adds. Memory stays the only 
 restores read from.
 """
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -31,8 +30,6 @@ import numpy as np
 
 from .kv_store import checkpointed, count_before, serves
 from .plan import Load, Store
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
