@@ -75,9 +75,10 @@ class PrefixPair:
         self.kv.drop(key)
 
     def persist(self, key: int) -> None:
-        entry = self.index.worth_persisting(key)
-        if entry is not None:
-            entry.disk = self.kv.disk.write(entry, self.kv.held[key])
+        persist = self.index.persist(key)
+        if persist is not None:
+            name = self.kv.disk.write(persist.entry, self.kv.held[key])
+            self.index.persisted(persist, name)
 
     def promote(self, tokens, dense_only: bool = False) -> Optional[Hit]:
         load = self.index.promote(np.asarray(tokens), dense_only)

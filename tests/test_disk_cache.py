@@ -4,6 +4,7 @@ continue a conversation from disk; a process killed mid-write, a damaged file, t
 processes sharing the folder, a full or unwritable disk, another model's files, and
 the read-or-recompute decision."""
 
+import asyncio
 import contextlib
 import json
 import os
@@ -23,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from models import HYBRID_CASES, ROPE_CASES, build, kept_chunks, save_with_demo_tokenizer
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_case
-from specprefill_engine.engine.disk_cache import FOLDER, DiskCache
+from specprefill_engine.engine.disk_cache import FOLDER, DiskCache, DiskTier
 from prefix_pair import PrefixPair
 from specprefill_engine.engine.kv_store import snapshot
 from specprefill_engine.loading import DEMO_DRAFT, DEMO_TARGET
@@ -525,3 +526,25 @@ def test_a_file_is_read_only_when_the_read_is_predicted_faster(rate, read, tmp_p
     assert ("(disk)" in result.specprefill.reuse) == read
     assert (stats.reads, stats.recomputed) == ((1, 0) if read else (0, 1))
     assert result.token_ids == alone.token_ids
+
+
+async def test_an_entry_evicted_while_its_write_is_queued_is_written_once(tmp_path,
+                                                                          monkeypatch):
+    """Two turns that end in one step are both kept and queued for the disk; the next
+    plan evicts one of them (the budget holds one): each file is handed to the writer
+    once, not again by the eviction."""
+    names, write = [], DiskTier.write
+
+    def recorded(self, entry, held):
+        name = write(self, entry, held)
+        names.append(name)
+        return name
+
+    monkeypatch.setattr(DiskTier, "write", recorded)
+    settings = dict(prefix_cache_disk_bytes=GB, cache_dir=str(tmp_path), **ALONE)
+    async with Engine(prefix_cache_bytes=3 << 19, **settings) as engine:
+        prompts = [f"Note {seed}: " + " ".join(["cedar"] * 40) for seed in range(2)]
+        await asyncio.gather(*(engine.generate(p, max_tokens=6, ignore_eos=True,
+                                               specprefill=False) for p in prompts))
+        await engine.generate("x", max_tokens=1, cache_prompt=False)  # the next plan
+    assert len(names) >= 3 and len(set(names)) == len(names)

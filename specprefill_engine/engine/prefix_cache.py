@@ -16,7 +16,7 @@ executor only follows it. The index takes a store's outcome (`commit`: the
 checkpoints kept and the bytes, or a refusal) after the turn that ran it.
 
 A disk tier (`disk_cache.py`, one process alone: never on a sharded target) may sit
-under the cache: `worth_persisting` names an entry worth keeping there (a turn's last
+under the cache: `persist` plans writing an entry worth keeping there (a turn's last
 store, an entry about to be evicted), `promote` plans reading one back on a miss when
 reading is predicted faster than prefilling what it adds. Memory stays the only place
 restores read from.
@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .kv_store import checkpointed, count_before, serves
-from .plan import Load, Store
+from .plan import Load, Persist, Store
 
 
 @dataclass
@@ -44,6 +44,7 @@ class Entry:
     densified: bool = False  # computed while idle from a SpecPrefill turn
     disk: Optional[str] = None  # its file in the disk tier (written, queued or read)
     from_disk: bool = False  # read back from the disk tier and not restored since
+    writing: bool = False  # a planned write has not run yet
 
     @property
     def count(self) -> int:
@@ -247,13 +248,21 @@ class PrefixCache:
             self.entries[key] = entry
             self.total_bytes += nbytes
 
-    def worth_persisting(self, key: int) -> Optional[Entry]:
-        """Entry `key`, when it is to be written to the disk tier (there is one and the
-        entry is not there already)."""
+    def persist(self, key: int) -> Optional[Persist]:
+        """A `Persist` of entry `key` to the disk tier, when there is one and the entry
+        is neither there already nor planned to be written."""
         entry = self.entries.get(key)
-        if self.disk is None or entry is None or entry.disk is not None:
+        if self.disk is None or entry is None or entry.disk is not None or entry.writing:
             return None
-        return entry
+        entry.writing = True
+        return Persist(entry)
+
+    @staticmethod
+    def persisted(persist: Persist, name: Optional[str]) -> None:
+        """A planned write ran: its file's name, or None when the tier did not take it."""
+        persist.entry.writing = False
+        if name is not None:
+            persist.entry.disk = name
 
     def touch(self, key: int) -> None:
         """An entry is used (a restore is planned): it is the last to be evicted."""

@@ -52,7 +52,7 @@ from .disk_cache import FOLDER as DISK_FOLDER, DiskCache, DiskStats
 from .distributed import Watchdog
 from .executor import Executor, TurnOutcome
 from .kv_store import KVStore
-from .plan import Join, Persist, Store, TurnPlan
+from .plan import Join, Store, TurnPlan
 from .planner import (
     PrefixCaches, begin, caches_for, fall_back_to_dense, find_dense, plan_dense, plan_sparse,
     promote, scoring_units, short_prefill_share, speculation,
@@ -291,9 +291,10 @@ class Worker:
         for cache, keys, draft in ((caches.target, plan.drops, False),
                                    (caches.draft, plan.draft_drops, True)):
             for key in keys if cache is not None else ():
-                entry = cache.worth_persisting(key)
-                if entry is not None:
-                    plan.persists.append(Persist(entry, draft))
+                persist = cache.persist(key)
+                if persist is not None:
+                    persist.draft = draft
+                    plan.persists.append(persist)
 
     def _commit(self, plan: TurnPlan, outcome: TurnOutcome, caches: PrefixCaches) -> None:
         """The indexes take what the plan's disk reads, stores and drops did, and queue
@@ -302,8 +303,7 @@ class Worker:
         the draft's prompt KV, stored once a scoring is done."""
         target, draft = caches.target, caches.draft
         for persist, name in outcome.persisted:
-            if name is not None:
-                persist.entry.disk = name
+            PrefixCache.persisted(persist, name)
         for (is_draft, key), nbytes in outcome.loaded.items():
             (draft if is_draft else target).loaded(key, nbytes)
         if target is not None:
@@ -325,9 +325,10 @@ class Worker:
             draft.drop(key)
 
     def _persist_later(self, cache: PrefixCache, key: int, draft: bool) -> None:
-        entry = cache.worth_persisting(key)
-        if entry is not None:
-            self._persists.append(Persist(entry, draft))
+        persist = cache.persist(key)
+        if persist is not None:
+            persist.draft = draft
+            self._persists.append(persist)
 
     def _keep_last_turns(self, caches: PrefixCaches) -> None:
         """At shutdown: the stores of requests that ended after the last plan (their
