@@ -275,3 +275,31 @@ def test_scoring_progress_ends_at_its_total(demo_pair, n_window):
             break
     total = yields[-1][1]
     assert yields == [(done, total) for done in range(1, total + 1)]
+
+
+def test_spread_forward_raises_each_token_to_the_best_before_it_but_not_the_quiet():
+    from specprefill_engine.core.selection import spread_forward
+
+    values = np.array([9.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 1, 0], np.float32)
+    quiet = np.arange(values.size) < 1
+    # position 0 (quiet) keeps its own value and passes nothing on; 10 reaches 11-13
+    assert spread_forward(values, 3, quiet).tolist() == [9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 5, 5,
+                                                         5, 1, 1]
+    assert spread_forward(values, 0, quiet).tolist() == values.tolist()
+
+
+def test_the_spread_keeps_what_follows_a_peak_within_an_eighth_of_the_budget():
+    """One sharp peak: the chunks after it rank with it, as far as the free budget's
+    eighth reaches; without spread only the peak's own chunk is kept."""
+    values = np.full(4096, 0.01, np.float32)
+    values[1000] = 1.0  # the peak
+    values[3000:3100] = 0.5  # a broad second passage
+    spread = np.asarray(select_chunks(values, 0.1))  # free budget 370: width 46
+    flat = np.asarray(select_chunks(values, 0.1, spread=0))
+    assert np.isin(np.arange(1000, 1047), spread).all()
+    assert not np.isin(np.arange(1000, 1047), flat).all()
+    short = np.full(600, 0.01, np.float32)
+    short[300] = 1.0
+    kept = np.asarray(select_chunks(short, 0.2))  # free budget 80: width 10
+    assert np.isin(np.arange(300, 311), kept).all()
+    assert not np.isin(np.arange(330, 340), kept).any()

@@ -2,15 +2,21 @@
 conversion reproduces the greedy text and perplexity it records, a 1K-token passkey
 in English prose is answered right densely and by SpecPrefill at keep 0.3 through the
 Engine, the model as its own draft; the Qwen2.5-Coder pair (1.5B target, 0.5B draft)
-answers a code question dense and sparse, and its call written as fenced JSON comes
-back as a tool call. Converted folders: the `converted` fixture (conftest.py)."""
+answers a code question dense and sparse, its 0.5B draft's selection holds the body of
+a function a question names among similar ones, and its call written as fenced JSON
+comes back as a tool call. Converted folders: the `converted` fixture (conftest.py)."""
 
 import json
 
 import pytest
 
+import numpy as np
+
 from specprefill_engine import Engine
+from specprefill_engine import code_tasks
 from specprefill_engine import gguf as conversion
+from specprefill_engine.core import score_tokens, select_chunks
+from specprefill_engine.loading import load_model
 from specprefill_engine.prose_tasks import is_right, make_case
 from specprefill_engine.engine.call import build_call
 from specprefill_server.calls import fold, served
@@ -69,6 +75,21 @@ def test_the_coder_pair_answers_a_code_question_dense_and_with_specprefill(coder
     assert sparse.specprefill.engaged, sparse.specprefill.reason
     assert sparse.specprefill.kept_tokens < 0.7 * sparse.usage.prompt_tokens
     assert (dense.token_ids, sparse.token_ids) == RECORDED_CODE_ANSWER, (dense.token_ids, sparse.token_ids)
+
+
+def test_the_small_draft_keeps_the_body_of_the_function_a_question_names():
+    """Over ~2K tokens of similar functions, "which number does `f` add": the 0.5B draft's
+    last token attends nowhere in particular, while the question's own words find `f`'s
+    definition; the answer follows it, within the spread. The engine's scoring, at its
+    keep, holds the answer's tokens."""
+    draft, tokenizer = load_model(str(convert_real("qwen2.5-coder-0.5b")))
+    case = code_tasks.make_case(tokenizer, "code_return", 2048, seed=0)
+    importance = score_tokens(draft, case.ids, step_size=512)
+    kept = np.asarray(select_chunks(importance, must_keep=np.arange(len(case.ids)) < case.head))
+    (start, end), = case.answer_spans
+    assert np.isin(np.arange(start, end), kept).all(), (start, end)
+
+
 # a real model's tool call ------------------------------------------------------------
 
 READ_FILE = {"type": "function", "function": {

@@ -98,7 +98,8 @@ def test_a_later_turn_gets_the_passage_its_question_needs_for_new_and_repaired_t
     than a fresh selection of the same prompt computes."""
     _, _, tokenizer = demo_pair
     session = make_agent_session(tokenizer, 3, 4000, 2)
-    with Engine(densify="off") as engine:
+    # a strict gate: the stored view wants a repair
+    with Engine(densify="off", reuse_coverage=0.999) as engine:
         first = engine.generate_sync(session.messages(0, []), max_tokens=8, specprefill=True)
         costs = engine._worker.runtime.costs
         dense_points = len(costs.target)
@@ -125,7 +126,8 @@ def test_where_repairs_ran_slow_the_turn_selects_anew(demo_pair, fresh_cache_dir
     anew, and its report says why."""
     _, _, tokenizer = demo_pair
     session = make_agent_session(tokenizer, 3, 4000, 2)
-    with Engine(densify="off") as engine:
+    # a strict gate: the stored view wants a repair
+    with Engine(densify="off", reuse_coverage=0.999) as engine:
         other = make_agent_session(tokenizer, 4, 4000, 1)  # both models warm: timed from here
         engine.generate_sync(other.messages(0, []), max_tokens=2, specprefill=True)
         first = engine.generate_sync(session.messages(0, []), max_tokens=8, specprefill=True)

@@ -124,8 +124,8 @@ def test_a_random_draft_is_not_vouched_for_and_the_policy_declines(fresh_cache_d
             given = engine.generate_sync(messages, keep=0.3, **options)
             forced = engine.generate_sync(messages, specprefill=True, **options)
     assert verdict.vouched is False and "probe questions" in verdict.reason
-    # the demo target's own attention reads no 2,048-token file: the shorter probe judged
-    assert verdict.probe.length == 768 and "over 768 tokens" in verdict.reason
+    # judged at the longest file the demo target's own attention reads
+    assert f"over {verdict.probe.length} tokens" in verdict.reason
     report = auto.specprefill
     assert not report.engaged and report.kept_tokens == report.total_tokens
     assert report.reason == f"policy: draft not vouched for: {verdict.reason}"

@@ -8,6 +8,10 @@ one query each (each costs a draft decode step, latency bound on a GPU). Each qu
 is scored against the cached prompt keys: softmax(q k^T * scale) (causal for the
 window rows), average-pooled along the prompt, max over layers x heads, mean over
 queries. All layers are reduced in one unit of work, evaluated once.
+
+The window is the question: a small draft's last token often attends nowhere in
+particular, while the question's own words (a function's name, a key) attend to where
+they occur earlier (what follows that place, the selection keeps: `selection.py`).
 """
 
 from dataclasses import dataclass
@@ -23,6 +27,7 @@ from .prefill import STEP_SIZE, chunk_plan, chunked_prefill, logits_of
 
 # the scoring's defaults, here once (the engine's `EngineConfig` takes them too)
 N_LOOKAHEAD = 1  # queries: the prompt's last token's, then this many - 1 lookahead steps
+N_WINDOW = 32  # queries: the prompt's last tokens' (its question), besides the lookahead's
 POOL_KERNEL = 13  # width of the average pool that smooths importance over neighbours
 
 CancelCheck = Optional[Callable[[], None]]
@@ -134,7 +139,10 @@ def _forward_capturing_queries(model, tokens: mx.array, cache, sites, keep_last:
 
 def _masked_layer_importance(query, keys, scale, pool_kernel, n_window, prompt_length):
     """`layer_importance` where the first `n_window` query rows are the prompt's own last
-    tokens: each sees only the keys up to its position (causal), as in the prefill."""
+    tokens: each sees only the keys up to its position (causal), as in the prefill, and
+    but for the last prompt token's row counts only keys at least `n_window` before it:
+    a row's attention to its own neighbourhood says nothing about the question, and
+    would spend the budget on the text just before it."""
     if n_window <= 1:  # the last prompt token sees every prompt key
         return layer_importance(query, keys, scale, pool_kernel)
     _, n_heads, steps, dim = query.shape
@@ -145,8 +153,11 @@ def _masked_layer_importance(query, keys, scale, pool_kernel, n_window, prompt_l
     row_position = mx.concatenate([
         mx.arange(prompt_length - n_window, prompt_length),
         mx.full((steps - n_window,), prompt_length)])
-    future = mx.arange(prompt_length)[None, :] > row_position[:, None]
-    attention = mx.softmax(mx.where(future, -mx.inf, scores), axis=-1)
+    keys_at = mx.arange(prompt_length)[None, :]
+    attention = mx.softmax(mx.where(keys_at > row_position[:, None], -mx.inf, scores), axis=-1)
+    near = (keys_at > row_position[:, None] - n_window) & \
+        (row_position < prompt_length - 1)[:, None]
+    attention = mx.where(near, 0.0, attention)
     return average_pool(attention, pool_kernel).max(axis=(0, 1))
 
 
@@ -249,7 +260,7 @@ def score_steps(
     pool_kernel: int = POOL_KERNEL,
     step_size: int = STEP_SIZE,
     temperature: float = 0.0,
-    n_window: int = 1,
+    n_window: int = N_WINDOW,
     cache: Optional[list] = None,
 ) -> Generator[tuple, None, mx.array]:
     """`score_tokens` one unit of work per iteration (a prefill chunk, a lookahead
@@ -327,7 +338,7 @@ def score_tokens(
     step_size: int = STEP_SIZE,
     temperature: float = 0.0,
     cancel_check: CancelCheck = None,
-    n_window: int = 1,
+    n_window: int = N_WINDOW,
 ) -> mx.array:
     """Importance of every prompt token, shape (M,), float32.
 
@@ -350,7 +361,7 @@ class DraftScorer:
     pool_kernel: int = POOL_KERNEL
     step_size: int = STEP_SIZE
     temperature: float = 0.0
-    n_window: int = 1
+    n_window: int = N_WINDOW
 
     def score_steps(self, tokens: mx.array,
                     cache: Optional[list] = None) -> Generator[tuple, None, mx.array]:

@@ -7,6 +7,13 @@ question and the template's end, so the first generated token comes from the rea
 prompt token). `backbone_pct` adds evenly spaced chunks. What the budget has left goes
 to the chunks with the highest mean importance.
 
+What answers a lookup follows the place the question's words point at (a function's
+body after its name, a value after its key), so before chunks are ranked each token's
+importance is raised to the highest of the `spread` tokens before it. A point may
+claim at most a `min_free_chunks`-th of the free budget that way (the width shrinks
+with the budget: a short prompt's few kept chunks are not all one point's
+neighbourhood), and the always-kept tokens (must_keep, the sinks) pass nothing on.
+
 Chunks lie on a grid anchored at absolute positions (boundaries at multiples of the
 chunk size counted from position 0 of the whole sequence, `start` being the absolute
 position of importance[0]), so a prefix-cache hit never shifts the grid. The chunk
@@ -30,6 +37,8 @@ KEEP = 0.3  # share of the prompt's tokens kept
 CHUNK_SIZE = 32  # tokens per chunk, halved down to 8 when the budget holds few chunks
 TAIL_TOKENS = 32  # the prompt's last tokens, always kept
 BACKBONE = 0.0  # share of chunks kept evenly spread, whatever their importance
+SINK_TOKENS = 8  # the sequence's first positions, always kept (attention sinks)
+SPREAD = 48  # tokens after an important one that inherit its importance, at most
 
 
 def _host(values: Optional[ArrayLike], dtype) -> Optional[np.ndarray]:
@@ -50,8 +59,20 @@ def effective_chunk_size(free_budget: int, chunk_size: int, min_chunk_size: int 
     return size
 
 
+def spread_forward(values: np.ndarray, width: int, quiet: np.ndarray) -> np.ndarray:
+    """Each entry raised to the highest of the `width` entries before it; entries where
+    `quiet` is set pass nothing on."""
+    source = np.where(quiet, 0.0, values).astype(values.dtype)
+    covered = 1  # offsets 0 .. covered-1 are in source's running max
+    while covered <= width:
+        shift = min(covered, width + 1 - covered)
+        source[shift:] = np.maximum(source[shift:], source[:-shift])
+        covered += shift
+    return np.maximum(values, source)
+
+
 def forced_tokens(length: int, chunk_size: int = CHUNK_SIZE, backbone_pct: float = BACKBONE,
-                  tail_tokens: int = TAIL_TOKENS, start: int = 0, sink_tokens: int = 8,
+                  tail_tokens: int = TAIL_TOKENS, start: int = 0, sink_tokens: int = SINK_TOKENS,
                   must_keep: Optional[ArrayLike] = None) -> tuple[np.ndarray, np.ndarray]:
     """(must_keep mask, mask of the other always-kept tokens: sink, tail, backbone)."""
     positions = start + np.arange(length)
@@ -78,16 +99,18 @@ def select_chunks(
     *,
     start: int = 0,
     must_keep: Optional[ArrayLike] = None,
-    sink_tokens: int = 8,
+    sink_tokens: int = SINK_TOKENS,
     min_chunk_size: int = 8,
     min_free_chunks: int = 8,
+    spread: int = SPREAD,
 ) -> mx.array:
     """Sorted int32 indices (into `importance`) of the kept tokens.
 
     Budget rule: with K = must_keep's count and M = len(importance), the tokens kept
     besides must_keep number B = ceil(keep_pct * (M - K)): the sink, tail and backbone
-    (always kept, even beyond B), then chunks by mean importance, best first (ties: the
-    earlier chunk), each adding the tokens of it not kept yet, until B is reached; the
+    (always kept, even beyond B), then chunks by mean importance (spread forward by
+    min(spread, free budget // min_free_chunks) tokens), best first (ties: the earlier
+    chunk), each adding the tokens of it not kept yet, until B is reached; the
     last chunk may overshoot B by less than one chunk. must_keep's tokens come on top.
     keep_pct 1.0 keeps all. Defaults (sink 8, chunks of 32 down to 8) from the GPU quality
     grid in docs/benchmarks.md.
@@ -100,6 +123,8 @@ def select_chunks(
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     if start < 0:
         raise ValueError(f"start must be >= 0, got {start}")
+    if spread < 0:
+        raise ValueError(f"spread must be >= 0, got {spread}")
     values = _host(importance, np.float32)
     length = values.size
     if length == 0:
@@ -111,6 +136,9 @@ def select_chunks(
     budget = math.ceil(keep_pct * (length - int(must.sum())))
     free_budget = budget - int(forced.sum())
     size = effective_chunk_size(max(free_budget, 0), chunk_size, min_chunk_size, min_free_chunks)
+    width = min(spread, max(free_budget, 0) // min_free_chunks)
+    if width > 0:
+        values = spread_forward(values, width, must | (start + np.arange(length) < sink_tokens))
 
     # chunks on the absolute grid; the first and last may be partial
     chunk_of = (start + np.arange(length)) // size - start // size

@@ -311,7 +311,7 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
         must_keep = cached if must_keep is None else (must_keep | cached)
     selected = np.asarray(select_chunks(
         importance, report.keep, config.chunk_size, config.backbone_pct, config.tail_tokens,
-        must_keep=must_keep,
+        must_keep=must_keep, spread=config.spread,
     ), dtype=np.int64)
     probe = make_prompt_cache(runtime.model)
     window = sliding_window(probe)

@@ -14,8 +14,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from .._blas import blas_status
 from ..core import DraftScorer, Scorer
 from ..core.prefill import STEP_SIZE
-from ..core.scoring import N_LOOKAHEAD, POOL_KERNEL, default_draft_step_size
-from ..core.selection import BACKBONE, CHUNK_SIZE, KEEP, TAIL_TOKENS
+from ..core.scoring import N_LOOKAHEAD, N_WINDOW, POOL_KERNEL, default_draft_step_size
+from ..core.selection import BACKBONE, CHUNK_SIZE, KEEP, SPREAD, TAIL_TOKENS
 from ..loading import DEMO_DRAFT, DEMO_TARGET, ModelLoadError, check_same_tokenizer, load_model
 from .batch import batching_support
 from .chat import DEFAULT_RECENT_CAP, DEFAULT_SYSTEM_CAP
@@ -73,7 +73,9 @@ class EngineConfig:
     tail_tokens: int = TAIL_TOKENS
     backbone_pct: float = BACKBONE
     n_lookahead: int = N_LOOKAHEAD
+    n_window: int = N_WINDOW
     pool_kernel: int = POOL_KERNEL
+    spread: int = SPREAD  # tokens after an important one whose chunks rank with it
     step_size: Optional[int] = None
     draft_step_size: Optional[int] = None
     prefix_cache_bytes: int = 8 << 30  # kept only whole: an 8B model's KV at 32K is ~4.5 GiB
@@ -104,9 +106,11 @@ class EngineConfig:
             raise ValueError(f"specprefill_margin must be >= 0, got {self.specprefill_margin!r}")
         if not 0 <= self.reuse_coverage <= 1:
             raise ValueError(f"reuse_coverage must be in [0, 1], got {self.reuse_coverage!r}")
-        for name in ("threshold", "chunk_size", "max_batch_size", "n_lookahead",
+        for name in ("threshold", "chunk_size", "max_batch_size", "n_lookahead", "n_window",
                      "recent_message_cap"):
             check_count(getattr(self, name), name)
+        if isinstance(self.spread, bool) or not isinstance(self.spread, int) or self.spread < 0:
+            raise ValueError(f"spread must be an integer >= 0, got {self.spread!r}")
         cap = self.system_message_cap
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
             raise ValueError(f"system_message_cap must be an integer >= 0, got {cap!r}")
@@ -238,9 +242,10 @@ def draft_check(model_path: str, draft_path: str, model: nn.Module, draft: nn.Mo
     """What the engine knows of its draft before any probe: a verdict that needs none
     (the draft is the target; the bundled demo pair; the check turned off; a sharded
     target, whose forward needs every rank), else the probe's saved measurement, if any."""
-    settings = dict(n_lookahead=config.n_lookahead, pool_kernel=config.pool_kernel,
-                    chunk_size=config.chunk_size, tail_tokens=config.tail_tokens,
-                    backbone_pct=config.backbone_pct)
+    settings = dict(n_lookahead=config.n_lookahead, n_window=config.n_window,
+                    pool_kernel=config.pool_kernel, chunk_size=config.chunk_size,
+                    tail_tokens=config.tail_tokens, backbone_pct=config.backbone_pct,
+                    spread=config.spread)
     fixed = None
     if model_path == draft_path:
         fixed = DraftVerdict(True, "the draft is the target")
@@ -296,7 +301,7 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
             draft, draft_tokenizer = load_model(draft_path, dtype=dtype)
             check_same_tokenizer(tokenizer, draft_tokenizer)
             scorer = DraftScorer(draft, config.n_lookahead, config.pool_kernel,
-                                 config.draft_step_size)
+                                 config.draft_step_size, n_window=config.n_window)
         refused = speculative_support(model, draft, group)
         if config.num_draft_tokens and refused:
             raise ValueError(f"num_draft_tokens={config.num_draft_tokens}: speculative "

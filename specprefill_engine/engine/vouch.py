@@ -50,7 +50,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from ..code_tasks import make_case
 from ..core import run_steps, score_steps, select_chunks
-from ..core.scoring import N_LOOKAHEAD, POOL_KERNEL
+from ..core.scoring import N_LOOKAHEAD, N_WINDOW, POOL_KERNEL
 from ..loading import cache_dir, save_json
 
 logger = logging.getLogger(__name__)
@@ -103,9 +103,10 @@ def needed_keep(importance, spans, must_keep=None, **selection) -> float:
 
 
 def measure(target, draft, tokenizer, length: int, n_lookahead: int = N_LOOKAHEAD,
-            pool_kernel: int = POOL_KERNEL, **selection) -> Probe:
+            pool_kernel: int = POOL_KERNEL, n_window: int = N_WINDOW, **selection) -> Probe:
     """Score the questions of `PROBES`' probe of `length` with both models; `selection`:
-    `select_chunks`' chunk_size, tail_tokens and backbone_pct as the engine selects."""
+    `select_chunks`' chunk_size, tail_tokens, backbone_pct and spread as the engine
+    selects."""
     kinds = dict(PROBES)[length]
     cases = [make_case(tokenizer, kind, length, SEED, ask)
              for kind, count in kinds for ask in range(count)]
@@ -119,7 +120,8 @@ def measure(target, draft, tokenizer, length: int, n_lookahead: int = N_LOOKAHEA
             # one chunk of the shared file, then the question: a later question's scoring
             # cuts the cache back to the file and feeds only its own question
             importance = run_steps(score_steps(model, case.ids, n_lookahead, pool_kernel,
-                                               step_size=shared, cache=cache))
+                                               step_size=shared, n_window=n_window,
+                                               cache=cache))
             protected = np.arange(len(case.ids)) < case.head
             keeps.append(needed_keep(np.array(importance), case.answer_spans, protected,
                                      **selection))
