@@ -140,9 +140,9 @@ def _forward_capturing_queries(model, tokens: mx.array, cache, sites, keep_last:
 def _masked_layer_importance(query, keys, scale, pool_kernel, n_window, prompt_length):
     """`layer_importance` where the first `n_window` query rows are the prompt's own last
     tokens: each sees only the keys up to its position (causal), as in the prefill, and
-    but for the last prompt token's row counts only keys at least `n_window` before it:
-    a row's attention to its own neighbourhood says nothing about the question, and
-    would spend the budget on the text just before it."""
+    each but the last prompt token's counts only keys at least `n_window` before it: a
+    row's attention to its own neighbourhood says nothing about the question, and would
+    spend the budget on the text just before it."""
     if n_window <= 1:  # the last prompt token sees every prompt key
         return layer_importance(query, keys, scale, pool_kernel)
     _, n_heads, steps, dim = query.shape

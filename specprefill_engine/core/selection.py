@@ -136,12 +136,13 @@ def select_chunks(
     budget = math.ceil(keep_pct * (length - int(must.sum())))
     free_budget = budget - int(forced.sum())
     size = effective_chunk_size(max(free_budget, 0), chunk_size, min_chunk_size, min_free_chunks)
+    positions = start + np.arange(length)
     width = min(spread, max(free_budget, 0) // min_free_chunks)
     if width > 0:
-        values = spread_forward(values, width, must | (start + np.arange(length) < sink_tokens))
+        values = spread_forward(values, width, must | (positions < sink_tokens))
 
     # chunks on the absolute grid; the first and last may be partial
-    chunk_of = (start + np.arange(length)) // size - start // size
+    chunk_of = positions // size - start // size
     n_chunks = int(chunk_of[-1]) + 1
     counts = np.bincount(chunk_of, minlength=n_chunks)
     means = np.bincount(chunk_of, weights=values, minlength=n_chunks) / counts

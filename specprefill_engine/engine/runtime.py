@@ -109,11 +109,10 @@ class EngineConfig:
         for name in ("threshold", "chunk_size", "max_batch_size", "n_lookahead", "n_window",
                      "recent_message_cap"):
             check_count(getattr(self, name), name)
-        if isinstance(self.spread, bool) or not isinstance(self.spread, int) or self.spread < 0:
-            raise ValueError(f"spread must be an integer >= 0, got {self.spread!r}")
-        cap = self.system_message_cap
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-            raise ValueError(f"system_message_cap must be an integer >= 0, got {cap!r}")
+        for name in ("system_message_cap", "spread"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.densify not in ("idle", "decode", "off"):
             raise ValueError(f"densify must be 'idle', 'decode' or 'off', got {self.densify!r}")
         if self.draft_check not in ("lazy", "load", "off"):
