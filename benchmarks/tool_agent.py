@@ -6,25 +6,31 @@ The repository (deterministic from `--seed` and the task) is `--files` Python mo
 of similar functions, `--tokens` tokens in all; one function holds the answer to the
 task's question: "what constant does `compute_x` add?" or "which function calls
 `helper_y`?", asked after "Look in the repository with the tools." (no system prompt
-of ours: `--system`). grep shows matching lines only, so the answer needs a `read_file`.
-Each reply is parsed by the engine's own `OutputParser` (as its server and LangChain model) for every row,
-so the conversations are comparable: valid calls run (then `--tool-seconds` of sleep
-each, the tool's time), an invalid call gets its error back as a user message, a reply
-without a call ends the loop as the answer. A call written as fenced (or bare) JSON
-instead of the template's markup that the parser reads back anyway is counted as
-"recovered"; one it does not read is "fenced call (not recovered)" and ends the loop as
-a wrong answer. At most `--turns` requests a loop,
-replies up to `--reply-tokens`, greedy. Rows, each on a fresh engine (or mlx-lm model)
+of ours: `--system`). With `--questions N` a loop asks N such questions one after
+another in one conversation, each naming its function's file (the k-th question the k-th
+file, round-robin): the conversation grows by a file read per question, as a coding
+agent's does, and questions past `--files` return to files read before. grep shows
+matching lines only, so an answer needs a `read_file`.
+Each reply is parsed by the engine's own `OutputParser` (as its server and LangChain
+model) for every row, so the conversations are comparable: valid calls run (then
+`--tool-seconds` of sleep each, the tool's time), an invalid call gets its error back as
+a user message, a reply without a call answers the question. A call written as fenced
+(or bare) JSON instead of the template's markup that the parser reads back anyway is
+counted as "recovered"; one it does not read is "fenced call (not recovered)" and is
+taken as a wrong answer. At most `--turns` requests a question, replies up to
+`--reply-tokens`, greedy. Rows, each on a fresh engine (or mlx-lm model)
 per task, warmed up with one turn of another task (so every row starts with the system
 prompt and tools cached), the order rotating from task to task:
 - mlx-lm: `generate_step` with mlx-lm's `LRUPromptCache`, kept as its server keeps it
   (`agent.py`'s `mlx_lm_turn`; the history's call arguments as objects, as its server
   passes them to the template);
 - dense: the engine, SpecPrefill off, densify off, its prefix cache;
+- SpecPrefill + reuse: SpecPrefill on every turn, densify off: later turns reuse, extend
+  or repair the sparse view (the quality of sparse reuse itself);
 - default: `Engine(model, draft)` with no settings (the automatic policy).
 Per turn: TTFT, decode, wall, prompt tokens, tokens through the draft and the target,
 what reuse chose and the reuse gate's coverage; per loop: tool calls, valid ones
-(parsed, a declared name, schema-valid arguments), turns, whether the answer is right,
+(parsed, a declared name, schema-valid arguments), turns, the answers right,
 and a Mac projection of the turns from their token counts (`mac_projection.py`,
 projected, not measured).
 
@@ -32,6 +38,8 @@ projected, not measured).
         --turns 6 --reply-tokens 96 --json tool-agent-cpu.json        # this CPU
     python benchmarks/tool_agent.py --target PATH --draft PATH --tasks 8 --tokens 48000 \\
         --tool-seconds 1 --json tool-agent-gpu.json                   # GPU, 4-bit MLX
+    python benchmarks/tool_agent.py --target PATH --draft PATH --tasks 4 --tokens 24000 \\
+        --files 8 --questions 10 --turns 3 --json tool-session-gpu.json  # 16-32K by the end
     python benchmarks/tool_agent.py --table tool-agent-cpu.json       # the tables again
 """
 
@@ -63,6 +71,7 @@ from agent import engine_turn, mlx_lm_turn
 METHODS = {
     "mlx-lm": None,
     "dense": dict(engine={"densify": "off"}, request={"specprefill": False}),
+    "SpecPrefill + reuse": dict(engine={"densify": "off"}, request={"specprefill": True}),
     "default": dict(engine={}, request={}),
 }
 TOOLS = [
@@ -99,9 +108,7 @@ FENCED_NAME = re.compile(r'"name"\s*:\s*"([^"]*)"')
 @dataclass
 class Task:
     files: dict  # path -> text
-    question: str
-    answer: str
-    kind: str
+    questions: list  # (question, answer, kind), asked one after another in one conversation
 
     def run_tool(self, name: str, arguments: dict) -> str:
         if name == "list_files":
@@ -123,10 +130,13 @@ class Task:
             or "no matches"
 
 
-def make_task(tokenizer, seed: int, index: int, n_tokens: int, n_files: int) -> Task:
-    """A repository of `n_files` modules, ~`n_tokens` tokens, and one question about it.
+def make_task(tokenizer, seed: int, index: int, n_tokens: int, n_files: int,
+              n_questions: int = 1) -> Task:
+    """A repository of `n_files` modules, ~`n_tokens` tokens, and questions about it.
     Units of three functions (compute_ adds a constant, a helper, a summarize_ calling
-    another unit's helper) go round-robin into the modules until the size is reached."""
+    another unit's helper) go round-robin into the modules until the size is reached.
+    One question asks without saying where; several name their function's file, the
+    k-th in the k-th file (round-robin), so later ones return to files read before."""
     rng = random.Random(f"tool-agent-{seed}-{index}")
     paths = [f"pkg/{name}.py" for name in rng.sample(MODULES, n_files)]
     blocks = {path: [f'"""{path[4:-3].capitalize()} figures."""\n'] for path in paths}
@@ -145,14 +155,20 @@ def make_task(tokenizer, seed: int, index: int, n_tokens: int, n_files: int) -> 
     for slot, i in enumerate(order):
         word, scale, factor = units[i]
         blocks[paths[slot % n_files]].append(_unit(word, callers[i], scale, constants[i], factor))
-    pick = rng.randrange(len(units))
-    if index % 2 == 0:
-        question = f"What constant does `compute_{words[pick]}` add to its result?"
-        answer, kind = str(constants[pick]), "constant"
-    else:
-        question = f"Which function calls `helper_{callers[pick]}`?"
-        answer, kind = f"summarize_{words[pick]}", "caller"
-    return Task({p: "\n\n".join(b) for p, b in blocks.items()}, question, answer, kind)
+    in_file = [[i for slot, i in enumerate(order) if slot % n_files == f] for f in range(n_files)]
+    questions = []
+    for k in range(n_questions):
+        path = paths[k % n_files]
+        pick = rng.choice(in_file[k % n_files]) if n_questions > 1 else rng.randrange(len(units))
+        where = f" It is in `{path}`." if n_questions > 1 else ""
+        if (index + k) % 2 == 0:
+            questions.append((f"What constant does `compute_{words[pick]}` add to its result?"
+                              f"{where}", str(constants[pick]), "constant"))
+        else:
+            where = f" The caller is in `{path}`." if n_questions > 1 else ""
+            questions.append((f"Which function calls `helper_{callers[pick]}`?{where}",
+                              f"summarize_{words[pick]}", "caller"))
+    return Task({p: "\n\n".join(b) for p, b in blocks.items()}, questions)
 
 
 def _unit(word: str, callee: str, scale: int, constant: int, factor: int) -> str:
@@ -201,55 +217,67 @@ def _as_mlx_lm_server(messages: list) -> list:
 
 def agent_loop(ask, tokenizer, task: Task, args, limits) -> tuple:
     """The loop: `ask(messages, limits)` -> a turn's row (with its reply); valid calls
-    run, invalid ones get their error back, a reply without a call is the answer."""
+    run, invalid ones get their error back, a reply without a call answers the question
+    asked, and the next question follows in the same conversation."""
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    messages.append({"role": "user", "content": ASK + task.question})
-    turns, counts, answer = [], dict(calls=0, valid=0, invalid=0, fenced=0, recovered=0), None
+    turns, answers = [], []
+    counts = dict(calls=0, valid=0, invalid=0, fenced=0, recovered=0)
     started = time.perf_counter()
-    for turn in range(args.turns):
-        row = ask(messages, limits)
-        content, calls, invalid = read_reply(row["reply"], tokenizer)
-        fenced = not calls and not invalid and bool(FENCED.search(content))
-        # calls the parser read back from fenced or bare JSON, not the template's markup
-        recovered = bool(calls) and tokenizer.tool_call_start not in row["reply"] \
-            and bool(FENCED.search(row["reply"]))
-        counts["calls"] += len(calls) + len(invalid) + fenced
-        counts["valid"] += len(calls)
-        counts["invalid"] += len(invalid)
-        counts["fenced"] += fenced
-        counts["recovered"] += len(calls) if recovered else 0
-        named = FENCED_NAME.search(content) if fenced else None
-        row.update(turn=turn + 1, calls=[{"name": c["name"], "args": c["args"]} for c in calls],
-                   fenced_call=named.group(1) if named else None,
-                   invalid=[c["error"] for c in invalid],
-                   coverage=_coverage(row["reuse"]),
-                   action="fenced call (not recovered)" if fenced else
-                   "fenced call (recovered)" if recovered else
-                   "tool calls" if calls or invalid else "answer")
-        tool_started = time.perf_counter()
-        if not calls and not invalid:
-            answer = content
-        elif calls:
-            messages.append({"role": "assistant", "content": content, "tool_calls": [
-                {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                 "function": {"name": c["name"], "arguments": json.dumps(c["args"])}}
-                for c in calls]})
-            for call in calls:
-                messages.append({"role": "tool", "content": task.run_tool(call["name"], call["args"])})
-                time.sleep(args.tool_seconds)
-        else:  # only invalid calls: the model sees what it wrote and why it failed
-            messages.append({"role": "assistant", "content": row["reply"]})
-        if invalid:
-            errors = "; ".join(c["error"] for c in invalid)
-            messages.append({"role": "user", "content": f"A tool call could not be run: "
-                             f"{errors}. Call tools as the system prompt shows."})
-        row["tool_s"] = time.perf_counter() - tool_started
-        turns.append(row)
-        if answer is not None:
-            break
-    right = answer is not None and re.search(rf"\b{re.escape(task.answer)}\b", answer) is not None
-    loop = dict(counts, turns=len(turns), answered=answer is not None, right=right,
-                answer_text=answer, wall=time.perf_counter() - started)
+    for number, (question, expected, _) in enumerate(task.questions, 1):
+        messages.append({"role": "user", "content": ASK + question})
+        answer = None
+        for turn in range(args.turns):
+            row = ask(messages, limits)
+            content, calls, invalid = read_reply(row["reply"], tokenizer)
+            fenced = not calls and not invalid and bool(FENCED.search(content))
+            # calls the parser read back from fenced or bare JSON, not the template's markup
+            recovered = bool(calls) and tokenizer.tool_call_start not in row["reply"] \
+                and bool(FENCED.search(row["reply"]))
+            counts["calls"] += len(calls) + len(invalid) + fenced
+            counts["valid"] += len(calls)
+            counts["invalid"] += len(invalid)
+            counts["fenced"] += fenced
+            counts["recovered"] += len(calls) if recovered else 0
+            named = FENCED_NAME.search(content) if fenced else None
+            row.update(question=number, turn=turn + 1,
+                       calls=[{"name": c["name"], "args": c["args"]} for c in calls],
+                       fenced_call=named.group(1) if named else None,
+                       invalid=[c["error"] for c in invalid],
+                       coverage=_coverage(row["reuse"]),
+                       action="fenced call (not recovered)" if fenced else
+                       "fenced call (recovered)" if recovered else
+                       "tool calls" if calls or invalid else "answer")
+            tool_started = time.perf_counter()
+            if not calls and not invalid:
+                answer = content
+                messages.append({"role": "assistant", "content": content})
+            elif calls:
+                messages.append({"role": "assistant", "content": content, "tool_calls": [
+                    {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                     "function": {"name": c["name"], "arguments": json.dumps(c["args"])}}
+                    for c in calls]})
+                for call in calls:
+                    messages.append({"role": "tool",
+                                     "content": task.run_tool(call["name"], call["args"])})
+                    time.sleep(args.tool_seconds)
+            else:  # only invalid calls: the model sees what it wrote and why it failed
+                messages.append({"role": "assistant", "content": row["reply"]})
+            if invalid:
+                errors = "; ".join(c["error"] for c in invalid)
+                messages.append({"role": "user", "content": f"A tool call could not be run: "
+                                 f"{errors}. Call tools as the system prompt shows."})
+            row["tool_s"] = time.perf_counter() - tool_started
+            turns.append(row)
+            if answer is not None:
+                break
+        right = answer is not None and \
+            re.search(rf"\b{re.escape(expected)}\b", answer) is not None
+        answers.append(dict(answered=answer is not None, right=right, answer_text=answer))
+        turns[-1]["right"] = right
+    loop = dict(counts, turns=len(turns), questions=len(answers),
+                answered=sum(a["answered"] for a in answers),
+                right=sum(a["right"] for a in answers), answers=answers,
+                wall=time.perf_counter() - started)
     return turns, loop
 
 
@@ -270,7 +298,7 @@ def run(args) -> tuple:
     warm_task = make_task(tokenizer, args.seed, 10_000, args.tokens, args.files)
     turn_rows, loops = [], []
     for index in range(args.tasks):
-        task = make_task(tokenizer, args.seed, index, args.tokens, args.files)
+        task = make_task(tokenizer, args.seed, index, args.tokens, args.files, args.questions)
         rotate = index % len(args.methods)
         for name in args.methods[rotate:] + args.methods[:rotate]:
             if METHODS[name] is None:
@@ -300,8 +328,10 @@ def run(args) -> tuple:
                 row.update(method=name, task=index, mac_projected=mac_projection.turn_s(*shapes, row))
                 turn_rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "reply"}), flush=True)
-            loop.update(method=name, task=index, kind=task.kind, question=task.question,
-                        answer=task.answer, final_prompt_tokens=turns[-1]["prompt_tokens"],
+            loop.update(method=name, task=index, kinds=[q[2] for q in task.questions],
+                        asked=[q[0] for q in task.questions],
+                        expected=[q[1] for q in task.questions],
+                        final_prompt_tokens=turns[-1]["prompt_tokens"],
                         model_s=sum(r["wall"] for r in turns),
                         ttft_s=sum(r["ttft"] for r in turns),
                         draft_tokens=sum(r["draft_tokens"] for r in turns),
@@ -335,6 +365,7 @@ def summary(loops: list, methods: list) -> dict:
             "recovered": sum(loop.get("recovered", 0) for loop in mine),
             "valid_rate": sum(loop["valid"] for loop in mine) / calls if calls else None,
             "right": sum(loop["right"] for loop in mine),
+            "questions": sum(loop.get("questions", 1) for loop in mine),
         }
     for base in ("mlx-lm", "dense"):
         if base in out:
@@ -358,11 +389,11 @@ def tables(result: dict) -> str:
         lines.append(
             f"| {name} | {row['loops']} | {row['wall_s']:.1f} | {ratio(row, 'wall_s_to_mlx-lm')} "
             f"| {ratio(row, 'wall_s_to_dense')} | {row['turns']:.1f} | {row['calls']} | {rate} "
-            f"| {row.get('recovered', 0)} | {row['fenced']} | {row['right']}/{row['loops']} | {row['final_prompt_tokens']:.0f} "
+            f"| {row.get('recovered', 0)} | {row['fenced']} | {row['right']}/{row.get('questions', row['loops'])} | {row['final_prompt_tokens']:.0f} "
             f"| {row['target_tokens']:.0f} | {row['draft_tokens']:.0f} "
             f"| {row['mac_projected_s']:.2f} | {ratio(row, 'mac_projected_s_to_mlx-lm')} |")
-    lines += ["", "| task | method | turn | prompt | draft | target | TTFT s | decode s "
-              "| action | calls | reuse | coverage |", "| --- |" + " --- |" * 11]
+    lines += ["", "| task | method | question | turn | prompt | draft | target | TTFT s "
+              "| decode s | action | calls | reuse | coverage |", "| --- |" + " --- |" * 12]
     for row in result["turns"]:
         calls = ", ".join(f"{c['name']}({', '.join(map(str, c['args'].values()))})"
                           for c in row["calls"]) or "; ".join(row["invalid"])[:60]
@@ -370,9 +401,11 @@ def tables(result: dict) -> str:
             calls = f"fenced: {row['fenced_call']}"
         reuse = (row["reuse"] or "-").replace("|", "/")[:70]
         coverage = "-" if row["coverage"] is None else f"{row['coverage']:.2f}"
-        lines.append(f"| {row['task']} | {row['method']} | {row['turn']} | {row['prompt_tokens']} "
+        action = row["action"] + {True: " (right)", False: " (wrong)"}.get(row.get("right"), "")
+        lines.append(f"| {row['task']} | {row['method']} | {row.get('question', 1)} "
+                     f"| {row['turn']} | {row['prompt_tokens']} "
                      f"| {row['draft_tokens']} | {row['target_tokens']} | {row['ttft']:.2f} "
-                     f"| {row['decode']:.2f} | {row['action']} | {calls} | {reuse} | {coverage} |")
+                     f"| {row['decode']:.2f} | {action} | {calls} | {reuse} | {coverage} |")
     return "\n".join(lines)
 
 
@@ -384,7 +417,9 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=2000, help="the repository's size in tokens")
     parser.add_argument("--files", type=int, default=3, help="modules in the repository")
-    parser.add_argument("--turns", type=int, default=8, help="requests per loop at most")
+    parser.add_argument("--questions", type=int, default=1,
+                        help="questions per loop, one after another in one conversation")
+    parser.add_argument("--turns", type=int, default=8, help="requests per question at most")
     parser.add_argument("--reply-tokens", type=int, default=256)
     parser.add_argument("--system", help="a system prompt (default: none, the template's own)")
     parser.add_argument("--tool-seconds", type=float, default=0.0, help="sleep per tool call")

@@ -122,7 +122,7 @@ class Fault(RuntimeError):
 
 
 async def faults(engine) -> dict:
-    a, b = prompt(engine.tokenizer, 1), prompt(engine.tokenizer, 2)
+    a, b = prompt(engine.tokenizer, 1, 300), prompt(engine.tokenizer, 2, 300)
     accept = OutputProcessor.accept
     out = {}
     for stage in ("join", "store", "output", "sample"):
