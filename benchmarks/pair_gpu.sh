@@ -16,6 +16,8 @@
 #     bash benchmarks/pair_gpu.sh quality 540    # the quality grid, a process per kind, 540 s
 #     SCORERS=draft bash benchmarks/pair_gpu.sh quality 520 two_hop two_hop:32768  # jobs of its own
 #     bash benchmarks/pair_gpu.sh agent          # the agent loop with real tool calls
+#     bash benchmarks/pair_gpu.sh loop           # agent.py's scripted loop at 16K, 4 sessions
+#     SEED=1 bash benchmarks/pair_gpu.sh session # ten questions, files read into the chat
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PAIR=/tmp/pair
@@ -81,8 +83,20 @@ agent)
     --draft "$PAIR/qwen2.5-coder-0.5b" --tasks "${2:-4}" --tokens 48000 --files 8 \
     --turns 10 --reply-tokens 256 --tool-seconds 0.5 --json "${OUT:-/tmp}/pair-tool-agent-gpu.json"
   ;;
+loop)
+  python3 benchmarks/agent.py --target "$PAIR/qwen2.5-coder-1.5b" \
+    --draft "$PAIR/qwen2.5-coder-0.5b" --tokens 16000 --steps 6 --sessions 4 \
+    --tool-seconds 0.5 --reply-tokens 150 --stop-at-eos --json "${OUT:-/tmp}/agent-pair-16k.json"
+  ;;
+session)
+  python3 benchmarks/tool_agent.py --target "$PAIR/qwen2.5-coder-1.5b" \
+    --draft "$PAIR/qwen2.5-coder-0.5b" --seed "${SEED:-0}" --tasks 2 --tokens 24000 --files 8 \
+    --questions 10 --scripted-reads --turns 2 --reply-tokens 160 --tool-seconds 0.5 \
+    --methods dense "SpecPrefill + reuse" default mlx-lm \
+    --json "${OUT:-/tmp}/tool-session-pair-gpu.json"
+  ;;
 *)
-  echo "usage: $0 prepare|install|ttft|first|quality [seconds [job...]]|agent [tasks]" >&2
+  echo "usage: $0 prepare|install|ttft|first|quality [seconds [job...]]|agent [tasks]|loop|session" >&2
   exit 2
   ;;
 esac

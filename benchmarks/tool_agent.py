@@ -62,6 +62,7 @@ from mlx_lm.utils import load_tokenizer
 from specprefill_engine import Engine
 from specprefill_engine.engine.policy import shape_of
 from specprefill_engine.engine.runtime import default_step_size
+from specprefill_engine.engine.events import TextEvent, ToolCallEvent
 from specprefill_engine.engine.tool_calls import OutputParser
 from specprefill_engine.loading import load_model
 
@@ -108,7 +109,7 @@ FENCED_NAME = re.compile(r'"name"\s*:\s*"([^"]*)"')
 @dataclass
 class Task:
     files: dict  # path -> text
-    questions: list  # (question, answer, kind), asked one after another in one conversation
+    questions: list  # (question, answer, kind, file the harness reads first or None), in turn
 
     def run_tool(self, name: str, arguments: dict) -> str:
         if name == "list_files":
@@ -131,12 +132,14 @@ class Task:
 
 
 def make_task(tokenizer, seed: int, index: int, n_tokens: int, n_files: int,
-              n_questions: int = 1) -> Task:
+              n_questions: int = 1, scripted_reads: bool = False) -> Task:
     """A repository of `n_files` modules, ~`n_tokens` tokens, and questions about it.
     Units of three functions (compute_ adds a constant, a helper, a summarize_ calling
     another unit's helper) go round-robin into the modules until the size is reached.
     One question asks without saying where; several name their function's file, the
-    k-th in the k-th file (round-robin), so later ones return to files read before."""
+    k-th in the k-th file (round-robin): the first of each file asks for it to be read
+    (or, with `scripted_reads`, the harness writes that call and its result, as a client
+    that adds files to the chat does), a later one says it was read above."""
     rng = random.Random(f"tool-agent-{seed}-{index}")
     paths = [f"pkg/{name}.py" for name in rng.sample(MODULES, n_files)]
     blocks = {path: [f'"""{path[4:-3].capitalize()} figures."""\n'] for path in paths}
@@ -160,14 +163,20 @@ def make_task(tokenizer, seed: int, index: int, n_tokens: int, n_files: int,
     for k in range(n_questions):
         path = paths[k % n_files]
         pick = rng.choice(in_file[k % n_files]) if n_questions > 1 else rng.randrange(len(units))
-        where = f" It is in `{path}`." if n_questions > 1 else ""
         if (index + k) % 2 == 0:
-            questions.append((f"What constant does `compute_{words[pick]}` add to its result?"
-                              f"{where}", str(constants[pick]), "constant"))
+            question, answer, kind = (f"What constant does `compute_{words[pick]}` add to "
+                                      "its result?", str(constants[pick]), "constant")
         else:
-            where = f" The caller is in `{path}`." if n_questions > 1 else ""
-            questions.append((f"Which function calls `helper_{callers[pick]}`?{where}",
-                              f"summarize_{words[pick]}", "caller"))
+            question, answer, kind = (f"Which function calls `helper_{callers[pick]}`?",
+                                      f"summarize_{words[pick]}", "caller")
+        read = path if scripted_reads and k < n_files else None
+        if n_questions > 1 and k < n_files:
+            question = f"{question} It is in `{path}`: I will show it to you." \
+                if scripted_reads else \
+                f"Read `{path}` with the read_file tool, then answer: {question}"
+        elif n_questions > 1:
+            question = f"{question} The answer is in `{path}`, which you read above."
+        questions.append((question, answer, kind, read))
     return Task({p: "\n\n".join(b) for p, b in blocks.items()}, questions)
 
 
@@ -192,13 +201,14 @@ def read_reply(text: str, tokenizer) -> tuple:
     """(content, calls, invalid calls) of a whole reply, read by the engine's parser."""
     parser = OutputParser(tokenizer, parse_tools=True, tools=TOOLS)
     content, calls, invalid = [], [], []
-    for kind, value in parser.feed(text) + parser.finish(None):
-        if kind != "tool_call":
-            content.append(value if kind == "content" else "")  # no think blocks here
-        elif value.error is None:
-            calls.append({"name": value.name, "args": json.loads(value.args)})
-        else:
-            invalid.append({"name": value.name, "error": value.error})
+    for event in parser.feed(text) + parser.finish(None):
+        if isinstance(event, TextEvent):
+            content.append(event.text)
+        elif isinstance(event, ToolCallEvent):
+            if event.error is None:
+                calls.append({"name": event.name, "args": json.loads(event.args)})
+            else:
+                invalid.append({"name": event.name, "error": event.error})
     return "".join(content).strip(), calls, invalid
 
 
@@ -223,8 +233,13 @@ def agent_loop(ask, tokenizer, task: Task, args, limits) -> tuple:
     turns, answers = [], []
     counts = dict(calls=0, valid=0, invalid=0, fenced=0, recovered=0)
     started = time.perf_counter()
-    for number, (question, expected, _) in enumerate(task.questions, 1):
-        messages.append({"role": "user", "content": ASK + question})
+    for number, (question, expected, _, read) in enumerate(task.questions, 1):
+        messages.append({"role": "user", "content": question if read else ASK + question})
+        if read:  # the harness's call, as if the model had made it
+            messages += [{"role": "assistant", "content": "", "tool_calls": [
+                {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function", "function": {
+                    "name": "read_file", "arguments": json.dumps({"path": read})}}]},
+                {"role": "tool", "content": task.run_tool("read_file", {"path": read})}]
         answer = None
         for turn in range(args.turns):
             row = ask(messages, limits)
@@ -298,7 +313,8 @@ def run(args) -> tuple:
     warm_task = make_task(tokenizer, args.seed, 10_000, args.tokens, args.files)
     turn_rows, loops = [], []
     for index in range(args.tasks):
-        task = make_task(tokenizer, args.seed, index, args.tokens, args.files, args.questions)
+        task = make_task(tokenizer, args.seed, index, args.tokens, args.files, args.questions,
+                         args.scripted_reads)
         rotate = index % len(args.methods)
         for name in args.methods[rotate:] + args.methods[:rotate]:
             if METHODS[name] is None:
@@ -419,6 +435,9 @@ def main():
     parser.add_argument("--files", type=int, default=3, help="modules in the repository")
     parser.add_argument("--questions", type=int, default=1,
                         help="questions per loop, one after another in one conversation")
+    parser.add_argument("--scripted-reads", action="store_true",
+                        help="with --questions: the harness reads each question's file into "
+                        "the conversation (a read_file call and its result) before the model's turn")
     parser.add_argument("--turns", type=int, default=8, help="requests per question at most")
     parser.add_argument("--reply-tokens", type=int, default=256)
     parser.add_argument("--system", help="a system prompt (default: none, the template's own)")
