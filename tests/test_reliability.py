@@ -267,12 +267,15 @@ def test_a_process_exiting_with_a_request_in_flight_exits_cleanly():
     assert "terminate called" not in run.stderr and "Traceback" not in run.stderr
 
 
-def test_ctrl_c_during_a_blocking_call_raises_keyboard_interrupt_in_the_caller():
-    script = """
+@pytest.mark.parametrize("send", ["os.kill(os.getpid(), signal.SIGINT)",
+                                  # the signal lands on a thread other than the caller's
+                                  "signal.pthread_kill(threading.get_ident(), signal.SIGINT)"])
+def test_ctrl_c_during_a_blocking_call_raises_keyboard_interrupt_in_the_caller(send):
+    script = f"""
         import os, signal, threading
         from specprefill_engine import Engine
         engine = Engine().start_sync()
-        threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        threading.Timer(1.0, lambda: {send}).start()
         try:
             engine.generate_sync("import os\\n\\n\\ndef main():\\n", max_tokens=100000)
         except KeyboardInterrupt:

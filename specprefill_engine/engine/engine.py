@@ -455,7 +455,7 @@ class Engine:
         self._worker.submit(state)
         try:
             while True:
-                event = self._receive(events.get(), kwargs.get("on_progress"))
+                event = self._receive(_next_event(events), kwargs.get("on_progress"))
                 if event is not None:
                     yield event
                     if isinstance(event, Result):
@@ -482,6 +482,19 @@ class Engine:
         finally:
             events.close()
 
+
+def _next_event(events: "queue.Queue"):
+    """The next event, waking every `WAKE_SECONDS`: Python runs a signal's handler (Ctrl-C's
+    KeyboardInterrupt) only in the main thread, when it runs, and a signal delivered to
+    another thread (the worker, a BLAS thread) does not end a wait without a timeout."""
+    while True:
+        try:
+            return events.get(timeout=WAKE_SECONDS)
+        except queue.Empty:
+            continue
+
+
+WAKE_SECONDS = 0.1
 
 # the keywords a request takes (`Engine._prepare`'s and the sampling fields), and Engine()
 REQUEST_KEYWORDS = frozenset(
