@@ -274,6 +274,9 @@ def test_ctrl_c_during_a_blocking_call_raises_keyboard_interrupt_in_the_caller(s
     script = f"""
         import os, signal, threading
         from specprefill_engine import Engine
+        # Ctrl-C's handler, as an interactive Python has it (a process started in the
+        # background of a shell script starts with SIGINT ignored, and Python keeps that)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         engine = Engine().start_sync()
         threading.Timer(1.0, lambda: {send}).start()
         try:
