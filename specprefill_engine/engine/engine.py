@@ -483,6 +483,9 @@ class Engine:
             events.close()
 
 
+WAKE_SECONDS = 0.1  # how often a blocking call's caller wakes (`_next_event`)
+
+
 def _next_event(events: "queue.Queue"):
     """The next event, waking every `WAKE_SECONDS`: Python runs a signal's handler (Ctrl-C's
     KeyboardInterrupt) only in the main thread, when it runs, and a signal delivered to
@@ -493,8 +496,6 @@ def _next_event(events: "queue.Queue"):
         except queue.Empty:
             continue
 
-
-WAKE_SECONDS = 0.1
 
 # the keywords a request takes (`Engine._prepare`'s and the sampling fields), and Engine()
 REQUEST_KEYWORDS = frozenset(
