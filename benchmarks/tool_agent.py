@@ -236,10 +236,9 @@ def agent_loop(ask, tokenizer, task: Task, args, limits) -> tuple:
     for number, (question, expected, _, read) in enumerate(task.questions, 1):
         messages.append({"role": "user", "content": question if read else ASK + question})
         if read:  # the harness's call, as if the model had made it
-            messages += [{"role": "assistant", "content": "", "tool_calls": [
-                {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function", "function": {
-                    "name": "read_file", "arguments": json.dumps({"path": read})}}]},
-                {"role": "tool", "content": task.run_tool("read_file", {"path": read})}]
+            call = {"name": "read_file", "args": {"path": read}}
+            messages += [_calling("", [call]),
+                         {"role": "tool", "content": task.run_tool("read_file", call["args"])}]
         answer = None
         for turn in range(args.turns):
             row = ask(messages, limits)
@@ -267,10 +266,7 @@ def agent_loop(ask, tokenizer, task: Task, args, limits) -> tuple:
                 answer = content
                 messages.append({"role": "assistant", "content": content})
             elif calls:
-                messages.append({"role": "assistant", "content": content, "tool_calls": [
-                    {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                     "function": {"name": c["name"], "arguments": json.dumps(c["args"])}}
-                    for c in calls]})
+                messages.append(_calling(content, calls))
                 for call in calls:
                     messages.append({"role": "tool",
                                      "content": task.run_tool(call["name"], call["args"])})
@@ -294,6 +290,13 @@ def agent_loop(ask, tokenizer, task: Task, args, limits) -> tuple:
                 right=sum(a["right"] for a in answers), answers=answers,
                 wall=time.perf_counter() - started)
     return turns, loop
+
+
+def _calling(content: str, calls: list) -> dict:
+    """The assistant message of `calls` ({"name", "args"}), as a client sends it back."""
+    return {"role": "assistant", "content": content, "tool_calls": [
+        {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+         "function": {"name": c["name"], "arguments": json.dumps(c["args"])}} for c in calls]}
 
 
 def _coverage(reuse: str):
