@@ -64,11 +64,11 @@ def _fed(cache: list) -> int:
     return next(c.offset for c in cache if isinstance(getattr(c, "offset", None), int))
 
 
-def mlx_lm_turn(model, tokenizer, store, tokens: list, args) -> dict:
+def mlx_lm_turn(model, tokenizer, store, tokens: list, args, started: float) -> dict:
     """One request through mlx-lm, its prompt cache `store` kept as its server keeps it
     (the nearest cached prefix, trimmed where the cache can be; a copy at the prompt's
-    end, the cache after the reply)."""
-    started = time.perf_counter()
+    end, the cache after the reply). `started`: when the turn began, before its chat
+    template (the engine's time to first token counts its template too)."""
     cache, rest = store.fetch_nearest_cache("model", tokens)
     cache = make_prompt_cache(model) if cache is None else cache
     cached = len(tokens) - len(rest)
@@ -100,9 +100,10 @@ def mlx_lm_session(model, tokenizer, store, session, args) -> list:
     rows, replies = [], []
     for step in range(args.steps):
         messages = session.messages(step, replies)
+        started = time.perf_counter()
         tokens = tokenizer.apply_chat_template(messages, tools=list(session.tools),
                                                add_generation_prompt=True)
-        rows.append(mlx_lm_turn(model, tokenizer, store, tokens, args))
+        rows.append(mlx_lm_turn(model, tokenizer, store, tokens, args, started))
         replies.append(rows[-1]["reply"])
         time.sleep(args.tool_seconds)
     return rows

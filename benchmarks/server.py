@@ -11,8 +11,8 @@ does not take the server's GIL (as a real client would not). Every run gets prom
 of its own, so none finds another's prefix in the cache. Per run: aggregate tokens/s
 (every token over the wall time from the first request to the last token) and each
 stream's time to first token as its caller sees it, and its path time: that TTFT
-less the engine's own (`timings.time_to_first_token`, from the moment the request was
-ready on the worker), i.e. what the way in and out adds, without the prefill's noise.
+less the engine's own from the moment the request was ready for the worker
+(`timings.time_to_first_token` less `timings.prepare`), i.e. what the way in and out adds, without the prefill's noise.
 Rows: medians over the repeats; the server / direct ratio of aggregate tokens/s, the
 added TTFT and the added path time (server median minus direct median, per repeat,
 then their median), and CPU time per token of the thread that runs the event loop
@@ -89,7 +89,7 @@ async def client_main(base: str) -> None:
                     yield chunk.choices[0].delta.content, None
                 elif chunk.usage is not None:
                     yield None, {"tokens": chunk.usage.completion_tokens,
-                                 "ttft": timings["time_to_first_token"]}
+                                 "ttft": timings["time_to_first_token"] - timings["prepare"]}
 
         print(json.dumps(await timed(command["prompts"], pieces)), flush=True)
     await client.close()
@@ -99,7 +99,8 @@ async def direct_run(engine: Engine, prompts: list, tokens: int) -> dict:
     async def pieces(prompt):
         async for chunk in engine.stream(prompt, max_tokens=tokens, ignore_eos=True):
             yield chunk.text, chunk.usage and {"tokens": chunk.usage.completion_tokens,
-                                               "ttft": chunk.timings.time_to_first_token}
+                                               "ttft": chunk.timings.time_to_first_token
+                                               - chunk.timings.prepare}
 
     cpu = time.thread_time()
     run = await timed(prompts, pieces)

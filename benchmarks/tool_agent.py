@@ -325,9 +325,10 @@ def run(args) -> tuple:
                 store = LRUPromptCache(16)
 
                 def ask(messages, limits, model=model, store=store):
+                    started = time.perf_counter()
                     tokens = tokenizer.apply_chat_template(
                         _as_mlx_lm_server(messages), tools=TOOLS, add_generation_prompt=True)
-                    return mlx_lm_turn(model, tokenizer, store, tokens, limits)
+                    return mlx_lm_turn(model, tokenizer, store, tokens, limits, started)
 
                 agent_loop(ask, tokenizer, warm_task, warm_args, warm_limits)
                 turns, loop = agent_loop(ask, tokenizer, task, args, limits)

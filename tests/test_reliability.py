@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -362,6 +363,25 @@ async def test_time_to_first_token_is_set_when_the_first_token_is_eos(engine):
                                    stop_token_ids=[first.token_ids[0]] if first.token_ids else list(eos))
     assert result.token_ids == [] and result.finish_reason == "stop"
     assert result.timings.time_to_first_token > 0
+
+
+async def test_time_to_first_token_counts_the_chat_template_the_caller_waits_for(engine):
+    tokenizer = engine.tokenizer
+    original = tokenizer.apply_chat_template
+
+    def slow(*args, **kwargs):  # a long conversation's template and tokenizing
+        time.sleep(0.3)
+        return original(*args, **kwargs)
+
+    tokenizer.apply_chat_template = slow
+    try:
+        result = await engine.generate(chat(engine, 15), max_tokens=2)
+    finally:
+        del tokenizer.apply_chat_template
+    timings = result.timings
+    assert timings.prepare >= 0.3
+    assert timings.time_to_first_token >= (timings.prepare + timings.queue_wait
+                                           + timings.scoring + timings.prefill)
 
 
 async def test_tokenizing_runs_off_the_event_loop(engine):

@@ -13,6 +13,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import weakref
 from dataclasses import fields, replace
 from typing import AsyncIterator, Callable, Iterator, Optional, Union
@@ -295,6 +296,7 @@ class Engine:
                  cache_prompt=True, clamp_max_tokens=True, chat=False, num_draft_tokens=None,
                  **sampling) -> RequestState:
         """Validate and tokenize on the caller's side; the worker gets a ready state."""
+        called = time.perf_counter()
         info = self.info
         params = SamplingParams(**sampling)
         if params.top_k >= info.vocab_size:  # mlx-lm's top-k filter needs fewer
@@ -353,7 +355,7 @@ class Engine:
             start for start in (*rendered.message_starts, rendered.generation_start)
             if start is not None and 0 < start < tokens.size}))
         return RequestState(
-            request_id, tokens, params, emit,
+            request_id, tokens, params, emit, called=called,
             keep=self.config.keep if keep is None else keep,
             threshold=self.config.threshold if threshold is None else threshold,
             max_tokens=max_tokens, output=output, specprefill=specprefill, stream=stream,

@@ -67,10 +67,11 @@ class OutputProcessor:
         self.parts.append(tail)
         return tail
 
-    def finish(self, reason: str, usage, timings, report, submitted: float, warnings) -> None:
-        """Emit the last chunk (when streaming) and the Result."""
+    def finish(self, reason: str, usage, timings, report, called: float, warnings) -> None:
+        """Emit the last chunk (when streaming) and the Result; `called`: when the
+        caller's call began, where the time to first token starts."""
         if self.first_token_at is not None:
-            timings.time_to_first_token = self.first_token_at - submitted
+            timings.time_to_first_token = self.first_token_at - called
             if len(self.tokens) > 1:
                 elapsed = time.perf_counter() - self.first_token_at
                 timings.decode_tokens_per_s = (len(self.tokens) - 1) / max(elapsed, 1e-9)

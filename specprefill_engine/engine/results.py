@@ -25,8 +25,12 @@ class Usage:
 
 @dataclass
 class Timings:
-    """Seconds, measured on the worker; decode_tokens_per_s excludes the first token."""
+    """Seconds. `prepare`: the caller's side (validating, the chat template, tokenizing);
+    `queue_wait`, `scoring` and `prefill` on the worker; `time_to_first_token` from the
+    call, as the caller waits for it (prepare included); decode_tokens_per_s excludes the
+    first token."""
 
+    prepare: float = 0.0
     queue_wait: float = 0.0
     scoring: float = 0.0
     prefill: float = 0.0

@@ -72,7 +72,8 @@ class RequestState:
     warnings: list = field(default_factory=list)
     boundaries: tuple = ()  # where chat messages (and the generation prompt) start
     keep_given: bool = False  # the caller set keep (the request or the engine): no draft check
-    submitted: float = field(default_factory=time.perf_counter)
+    called: float = field(default_factory=time.perf_counter)  # the caller's call began
+    submitted: float = field(default_factory=time.perf_counter)  # ready for the worker
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     # filled in on the worker
@@ -96,6 +97,7 @@ class RequestState:
     promoted: bool = False  # the disk tier was consulted for it (before admission)
 
     def __post_init__(self):
+        self.timings.prepare = self.submitted - self.called
         self.usage.prompt_tokens = int(self.tokens.size)
         self.report.total_tokens = self.report.kept_tokens = int(self.tokens.size)
         self.report.keep = self.keep

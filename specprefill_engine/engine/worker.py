@@ -693,7 +693,7 @@ class Worker:
         if error is None:
             state.finish_reason = reason
             state.output.finish(reason, state.usage, state.timings, state.report,
-                                state.submitted, state.warnings)
+                                state.called, state.warnings)
             return
         logger.warning("request %s failed: %r", state.id, error)
         if not isinstance(error, (EngineFailedError, RequestFailedError)):
