@@ -177,6 +177,7 @@ def main():
                        engine_turn(engine, second, args.new_tokens, **request))
                 if repeat:
                     sides[side].append(row)
+                    print(json.dumps({"repeat": repeat, "side": side, **row}), flush=True)
                 if side == "engine" and repeat == 1:
                     listed = turns(log, since)
             del stored

@@ -13,7 +13,8 @@ from specprefill_engine import Engine
 from specprefill_engine.core import sparse_prefill_steps
 from specprefill_engine.core.scoring import run_steps
 from specprefill_engine.demo_tasks import make_case
-from specprefill_engine.engine.batch import as_batch_of_one, batching_support
+from specprefill_engine.core.prefill import align_buffers, prefill_chunk
+from specprefill_engine.engine.batch import DecodeBatch, as_batch_of_one, batching_support
 from specprefill_engine.engine.state import Status
 
 pytestmark = pytest.mark.timeout(600)
@@ -91,6 +92,39 @@ def test_a_sparse_row_in_a_batch_decodes_at_its_true_positions(name):
         model(mx.stack([decode[t : t + 1], decode[t : t + 1]]), cache=batch)
     got = batch[0].keys[1:2, :, batch[0]._idx - steps : batch[0]._idx, :]
     assert mx.abs(got - expected).max().item() <= 1e-4
+
+
+def test_rows_decode_from_buffers_of_whole_growth_steps_with_the_same_tokens():
+    """A prefill leaves KV buffers of exact sizes and a batch's merge makes its own;
+    decoding starts from buffers of whole growth steps (MLX's CUDA attention reads keys
+    fastest from those), one row alone and two together, and makes the tokens a plain
+    mlx-lm cache makes."""
+    model = build(ROPE_CASES["llama"])
+    prompts = [random_tokens(600, seed=5), random_tokens(123, seed=6)]
+    expected = []
+    for tokens in prompts:
+        cache = make_prompt_cache(model)
+        logits = model(tokens[None], cache=cache)
+        expected.append([int(mx.argmax(logits[0, -1]).item())])
+        for _ in range(4):
+            logits = model(mx.array([[expected[-1][-1]]]), cache=cache)
+            expected[-1].append(int(mx.argmax(logits[0, -1]).item()))
+    caches = [make_prompt_cache(model) for _ in prompts]
+    for chunk in (prompts[0][:300], prompts[0][300:]):  # a prefill continued, as from a prefix
+        prefill_chunk(model, chunk, caches[0])
+    assert caches[0][0].keys.shape[2] == 600  # the prefill's exact size
+    model(prompts[1][None], cache=caches[1])
+    alone = DecodeBatch(model)
+    align_buffers(caches[0])  # as the executor does when a row joins
+    alone.add(0, None, caches[0], expected[0][0], 0)
+    assert all(layer.keys.shape[2] == 768 for layer in alone.cache)
+    got = []
+    for _ in range(5):
+        got += [token for _, token, _ in alone.step()[0]]
+    assert got[:4] == expected[0][1:]
+    alone.add(1, None, caches[1], expected[1][0], 0)  # merged into a batch
+    assert all(layer.keys.shape[2] % 256 == 0 and layer.keys.shape[2] > layer.size()
+               for layer in alone.cache)
 
 
 async def test_cancelling_one_row_leaves_the_others_and_seeded_rows_match_their_solo_runs():

@@ -21,7 +21,7 @@ from typing import Generator, Iterator, Optional
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .adapters import takes_position_ids
 from .positions import position_runs, positioned_rope
@@ -133,6 +133,27 @@ def fit_buffers(cache: list, tokens: int) -> None:
             shape = (*array.shape[:2], tokens, array.shape[3])
             grown.append(mx.concatenate([array[..., : layer.offset, :],
                                          mx.zeros(shape, array.dtype)], axis=2))
+        layer.keys, layer.values = grown
+
+
+def align_buffers(cache: list) -> None:
+    """Size each plain or batched KV layer's buffer to a multiple of mlx-lm's growth step,
+    with room for the next token, before decoding: a decode step's attention reads the
+    keys through the buffer's strides, and MLX's CUDA attention reads them fastest from
+    buffers of such lengths; the cache's own growth keeps them so after. A prefill leaves
+    buffers of exact sizes (`fit_buffers`), as mlx-lm's batch caches do when they merge."""
+    for layer in cache:
+        if type(layer) not in (KVCache, BatchKVCache) or layer.keys is None:
+            continue
+        count = layer.size()
+        size = (count // KVCache.step + 1) * KVCache.step
+        if layer.keys.shape[2] % KVCache.step == 0 and layer.keys.shape[2] > count:
+            continue
+        grown = []
+        for array in (layer.keys, layer.values):
+            shape = (*array.shape[:2], size - count, array.shape[3])
+            grown.append(mx.concatenate([array[..., :count, :], mx.zeros(shape, array.dtype)],
+                                        axis=2))
         layer.keys, layer.values = grown
 
 

@@ -29,7 +29,7 @@ from mlx_lm.models.cache import (
 
 from ..core import positioned_rope
 from ..core.adapters import takes_position_ids
-from ..core.prefill import logits_of
+from ..core.prefill import align_buffers, logits_of
 from .sampling import GREEDY, RowSampler, read_logprobs, sample_rows
 
 POSITIONED_CACHES = (BatchKVCache, BatchRotatingKVCache)
@@ -162,6 +162,7 @@ class DecodeBatch:
                     layer.extend(other)
                 self.inputs = mx.concatenate([self.inputs, token])
             if not self.plain:
+                align_buffers(self.cache)
                 mx.eval(self.inputs, [layer.state for layer in self.cache])
         except BaseException:
             for restore in layers:

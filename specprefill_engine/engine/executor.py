@@ -31,7 +31,7 @@ import numpy as np
 
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from ..core.prefill import cache_length, prefill_chunk
+from ..core.prefill import align_buffers, cache_length, prefill_chunk
 from ..core.scoring import DraftScorer, capture_window, importance_of, lookahead_step, scored_sites
 from ..core.sparse_prefill import decode_shift
 from ..core.windows import SlidingWindows
@@ -189,6 +189,7 @@ class Executor:
         handle = join.handle
         try:
             cache = self.caches[handle]
+            align_buffers(cache)
             shift = decode_shift(self.model, cache, join.length, 0)
             sampler = self.samplers.get(handle)
             draft_cache = self.drafts.pop(handle, None)
