@@ -194,6 +194,7 @@ class Executor:
             sampler = self.samplers.get(handle)
             draft_cache = self.drafts.pop(handle, None)
             if join.speculative and draft_cache is not None:
+                align_buffers(draft_cache)  # the draft decodes its proposals over it
                 group = SpeculativeDecode(self.model, self.scorer.model, handle, cache,
                                           draft_cache, join.token, shift, join.speculative)
             elif join.solo:
