@@ -17,6 +17,7 @@
 #     SCORERS=draft bash benchmarks/pair_gpu.sh quality 520 two_hop two_hop:32768  # jobs of its own
 #     bash benchmarks/pair_gpu.sh agent          # the agent loop with real tool calls
 #     bash benchmarks/pair_gpu.sh loop           # agent.py's scripted loop at 16K, 4 sessions
+#     bash benchmarks/pair_gpu.sh short          # a later turn's short reply at 16K, vs mlx-lm
 #     SEED=1 bash benchmarks/pair_gpu.sh session # ten questions, files read into the chat
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -88,6 +89,11 @@ loop)
     --draft "$PAIR/qwen2.5-coder-0.5b" --tokens 16000 --steps 6 --sessions 4 \
     --tool-seconds 0.5 --reply-tokens 150 --stop-at-eos --json "${OUT:-/tmp}/agent-pair-16k.json"
   ;;
+short)
+  (cd benchmarks && python3 short_reply.py --model "$PAIR/qwen2.5-coder-1.5b" \
+    --draft "$PAIR/qwen2.5-coder-0.5b" --chat --prompt 16000 --new-tokens 150 --breakdown \
+    --json "${OUT:-/tmp}/short-reply-pair-gpu.json")
+  ;;
 session)
   python3 benchmarks/tool_agent.py --target "$PAIR/qwen2.5-coder-1.5b" \
     --draft "$PAIR/qwen2.5-coder-0.5b" --seed "${SEED:-0}" --tasks 2 --tokens 24000 --files 8 \
@@ -96,7 +102,7 @@ session)
     --json "${OUT:-/tmp}/tool-session-pair-gpu.json"
   ;;
 *)
-  echo "usage: $0 prepare|install|ttft|first|quality [seconds [job...]]|agent [tasks]|loop|session" >&2
+  echo "usage: $0 prepare|install|ttft|first|quality [seconds [job...]]|agent [tasks]|loop|short|session" >&2
   exit 2
   ;;
 esac
