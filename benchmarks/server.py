@@ -10,9 +10,10 @@ and `openai.AsyncOpenAI` streaming clients in a child process, so the client's p
 does not take the server's GIL (as a real client would not). Every run gets prompts
 of its own, so none finds another's prefix in the cache. Per run: aggregate tokens/s
 (every token over the wall time from the first request to the last token) and each
-stream's time to first token as its caller sees it, and its path time: that TTFT
-less the engine's own from the moment the request was ready for the worker
-(`timings.time_to_first_token` less `timings.prepare`), i.e. what the way in and out adds, without the prefill's noise.
+stream's time to first token as its caller sees it, and its path time: that TTFT less
+the engine's own from the moment the request was ready for the worker
+(`timings.time_to_first_token` less `timings.prepare`), i.e. what the way in and out
+adds, without the prefill's noise.
 Rows: medians over the repeats; the server / direct ratio of aggregate tokens/s, the
 added TTFT and the added path time (server median minus direct median, per repeat,
 then their median), and CPU time per token of the thread that runs the event loop

@@ -125,15 +125,18 @@ def fit_buffers(cache: list, tokens: int) -> None:
     for layer in cache:
         if type(layer) is not KVCache or layer.keys is None:
             continue
-        size = layer.offset + tokens
-        if layer.keys.shape[2] == size:
-            continue
-        grown = []
-        for array in (layer.keys, layer.values):
-            shape = (*array.shape[:2], tokens, array.shape[3])
-            grown.append(mx.concatenate([array[..., : layer.offset, :],
-                                         mx.zeros(shape, array.dtype)], axis=2))
-        layer.keys, layer.values = grown
+        if layer.keys.shape[2] != layer.offset + tokens:
+            _resize(layer, layer.offset, layer.offset + tokens)
+
+
+def _resize(layer, count: int, size: int) -> None:
+    """A KV layer's buffers, new, of `size` entries: its first `count`, then zeros."""
+    grown = []
+    for array in (layer.keys, layer.values):
+        shape = (*array.shape[:2], size - count, array.shape[3])
+        grown.append(mx.concatenate([array[..., :count, :], mx.zeros(shape, array.dtype)],
+                                    axis=2))
+    layer.keys, layer.values = grown
 
 
 def align_buffers(cache: list) -> None:
@@ -145,16 +148,9 @@ def align_buffers(cache: list) -> None:
     for layer in cache:
         if type(layer) not in (KVCache, BatchKVCache) or layer.keys is None:
             continue
-        count = layer.size()
-        size = (count // KVCache.step + 1) * KVCache.step
-        if layer.keys.shape[2] % KVCache.step == 0 and layer.keys.shape[2] > count:
-            continue
-        grown = []
-        for array in (layer.keys, layer.values):
-            shape = (*array.shape[:2], size - count, array.shape[3])
-            grown.append(mx.concatenate([array[..., :count, :], mx.zeros(shape, array.dtype)],
-                                        axis=2))
-        layer.keys, layer.values = grown
+        count, length = layer.size(), layer.keys.shape[2]
+        if length % KVCache.step or length == count:
+            _resize(layer, count, (count // KVCache.step + 1) * KVCache.step)
 
 
 def logits_of(output) -> mx.array:
