@@ -94,6 +94,41 @@ def test_a_sparse_row_in_a_batch_decodes_at_its_true_positions(name):
     assert mx.abs(got - expected).max().item() <= 1e-4
 
 
+def test_a_sparse_row_alone_decodes_on_its_plain_cache_at_its_true_positions():
+    """A lone SpecPrefill row decodes on its plain cache, as a dense row does (a batch
+    cache's mask makes CUDA's decode attention several times slower), its rope moved
+    for each step only; its keys are the dense model's at M + t, alone and after a
+    second row joins and the batch cache takes over."""
+    model = build(ROPE_CASES["llama"])
+    M = 300
+    tokens = random_tokens(M, seed=3)
+    sparse = make_prompt_cache(model)
+    _, shift = run_steps(sparse_prefill_steps(model, tokens, kept_chunks(M), sparse, step_size=64))
+    assert shift > 0
+    batch = DecodeBatch(model)
+    batch.add(0, None, sparse, 7, shift)
+    assert batch.plain and batch.cache is sparse
+    fed = [7]
+    for _ in range(4):
+        fed += [token for handle, token, _ in batch.step()[0] if handle == 0]
+    assert wrappers_left(model) == []
+    alone = sparse[0].keys[..., sparse[0].offset - 4 : sparse[0].offset, :]
+    other = make_prompt_cache(model)
+    model(random_tokens(123, seed=4)[None], cache=other)
+    batch.add(1, None, other, 5, 0)
+    assert not batch.plain
+    for _ in range(2):
+        fed += [token for handle, token, _ in batch.step()[0] if handle == 0]
+    together = batch.cache[0].keys[0:1, :, batch.cache[0]._idx - 2 : batch.cache[0]._idx, :]
+    assert len(fed) == 6
+    dense = make_prompt_cache(model)
+    model(tokens[None], cache=dense)
+    model(mx.array(fed)[None], cache=dense)
+    expected = dense[0].keys[..., M : M + 6, :]
+    assert mx.abs(alone - expected[..., :4, :]).max().item() <= 1e-4
+    assert mx.abs(together - expected[..., 4:, :]).max().item() <= 1e-4
+
+
 def test_rows_decode_from_buffers_of_whole_growth_steps_with_the_same_tokens():
     """A prefill leaves KV buffers of exact sizes and a batch's merge makes its own;
     decoding starts from buffers of whole growth steps (MLX's CUDA attention reads keys

@@ -6,7 +6,8 @@ lengths); it leaves through `filter`. Positions are data: a batch cache keeps a
 per-row `offset`, which only RoPE reads, apart from the shared write index and
 each row's left padding, which the mask reads. A SpecPrefill row holds N + t
 entries yet must decode at position M + t, so its offset moves by M - N when it
-joins; no wrapper is put on the model.
+joins. A row decoding alone keeps its plain cache (no mask), its rope moved by M - N
+for each step's forward.
 
 Steps are pipelined as in mlx-lm's `generate_step`: the next forward is queued
 before the tokens of the previous one are read back. Logits processors see a row's
@@ -18,6 +19,7 @@ logits of another shape, fails its own row only. With a sharded target (`group`)
 (`sampling=False`) sample nothing and read nothing.
 """
 
+from contextlib import nullcontext
 from itertools import repeat
 from typing import Optional
 
@@ -128,6 +130,7 @@ class DecodeBatch:
         self.logprobs: Optional[tuple] = None  # `inputs`' token_logprobs, when a row asks
         self._known: list[bool] = []  # whether a slot's input token was already handed out
         self.plain = False  # one row on its own plain cache
+        self.shift = 0  # that row's decode positions past its cache's (a sparse prefill)
 
     @property
     def rows(self) -> list:
@@ -142,22 +145,24 @@ class DecodeBatch:
         nothing: if joining fails (the copy into the batch cache cannot be allocated), the
         batch is as it was and the error is raised for this row alone.
 
-        A lone row at its cache's own positions decodes on its plain cache, as mlx-lm's
-        generate_step does (a batch cache's mask and per-row offsets cost time per
-        token there); the batch cache takes over when a second row joins."""
+        A lone row decodes on its plain cache, as mlx-lm's generate_step does, its
+        positions moved by `shift` through the rope (a sparse prefill's row): a batch
+        cache's mask and per-row offsets cost time per token there (on CUDA the masked
+        attention is several times slower). The batch cache takes over when a second
+        row joins."""
         layers = [_saved(layer) for layer in self.cache or []]
         before = (self.slots, self.samplers, self.contexts, self._known, self.cache,
-                  self.inputs, self.plain, self.logprobs)
+                  self.inputs, self.plain, self.shift, self.logprobs)
         try:
             self._compact()
             token = mx.array([first_token], dtype=mx.uint32)
             if self.cache is None:
-                self.plain = shift == 0
-                self.cache = cache if self.plain else as_batch_of_one(cache, shift)
+                self.cache, self.plain, self.shift = cache, True, shift
                 self.inputs = token
             else:
                 if self.plain:
-                    self.cache, self.plain = as_batch_of_one(self.cache, 0), False
+                    self.cache, self.plain = as_batch_of_one(self.cache, self.shift), False
+                    self.shift = 0
                 for layer, other in zip(self.cache, as_batch_of_one(cache, shift)):
                     layer.extend(other)
                 self.inputs = mx.concatenate([self.inputs, token])
@@ -168,7 +173,7 @@ class DecodeBatch:
             for restore in layers:
                 restore()
             (self.slots, self.samplers, self.contexts, self._known, self.cache, self.inputs,
-             self.plain, self.logprobs) = before
+             self.plain, self.shift, self.logprobs) = before
             raise
         sampler = sampler or GREEDY
         self.slots = self.slots + [handle]
@@ -181,7 +186,8 @@ class DecodeBatch:
         step, (handle, token, TokenLogprob or None) for each row, now that they are
         needed, and the rows whose processors failed in this one (handle -> error)."""
         inputs = self.inputs
-        logits = logits_of(self.model(inputs[:, None], cache=self.cache))[:, -1, :]
+        with positioned_rope(self.model, shift=self.shift) if self.shift else nullcontext():
+            logits = logits_of(self.model(inputs[:, None], cache=self.cache))[:, -1, :]
         if not self.sampling:
             self.inputs = broadcast_tokens(mx.argmax(logits, axis=-1) * 0, self.group)
             mx.async_eval(self.inputs)
