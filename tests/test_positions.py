@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from models import ROPE_CASES, build, random_tokens, tiny_model
-from specprefill_engine.core import cleanup_rope, sparse_prefill
+from specprefill_engine.core import cleanup_rope, positioned_rope, sparse_prefill
 from specprefill_engine.core.adapters import rope_owners
 from specprefill_engine.core.positions import PositionedRoPE, position_runs, rope_fallbacks
 
@@ -197,3 +197,26 @@ class RunRecorder(nn.Module):
     def __call__(self, x, offset=0):
         self.calls.append((int(offset), x.shape[-2]))
         return self.inner(x, offset=offset)
+
+
+def test_a_moved_decode_step_puts_the_models_own_wrappers_back_and_decodes_at_its_positions():
+    """A moved decode step wraps every layer's rope and unwraps it after; the wrappers are
+    made once per model and put back each step (building them was most of a moved step's
+    extra host time), and the step's keys are those of positions M + t."""
+    model = build(ROPE_CASES["llama"])
+    tokens = random_tokens(40, seed=2)
+    dense = make_prompt_cache(model)
+    model(tokens[None], cache=dense)
+    model(mx.array([[5, 6]]), cache=dense)
+    moved = make_prompt_cache(model)
+    model(tokens[None, :30], cache=moved)  # 30 entries standing for a prompt of 40
+    seen = []
+    for token in (5, 6):
+        with positioned_rope(model, shift=10):
+            seen.append([owner["rope"] for owner in rope_owners(model)])
+            model(mx.array([[token]]), cache=moved)
+        assert wrappers_left(model) == 0
+    assert all(isinstance(rope, PositionedRoPE) for rope in seen[0])
+    assert all(a is b for a, b in zip(*seen))  # the same objects, not new ones each step
+    got = moved[0].keys[..., 30:32, :]
+    assert mx.abs(got - dense[0].keys[..., 40:42, :]).max().item() <= 1e-4

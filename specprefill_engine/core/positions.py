@@ -179,45 +179,72 @@ def rope_fallbacks(model: Optional[nn.Module] = None) -> list[str]:
     return found
 
 
-class PositionedRoPE(nn.Module):
-    """Calls `inner` at explicit per-token positions (`runs`), or at `offset + shift`."""
+class Placement:
+    """Where one forward's tokens sit, shared by all of a model's wrappers: at per-token
+    positions (`runs`, turned into one positions array for every layer), or at each
+    cache's offset + `shift`."""
 
-    def __init__(self, inner: nn.Module, runs: Optional[Runs] = None, shift: int = 0):
+    def __init__(self):
+        self.set(None, 0)
+
+    def set(self, runs: Optional[Runs], shift: int) -> None:
+        self.runs, self.shift = runs, shift
+        self.positions, self.count, self.largest = None, 0, 0
+        if runs is not None:
+            positions = runs_to_positions(runs)
+            self.count = int(positions.size)
+            self.largest = int(positions.max()) if positions.size else 0
+            self.positions = mx.array(positions)
+
+
+class PositionedRoPE(nn.Module):
+    """Calls `inner` where its `placement` says: per-token positions, or `offset + shift`."""
+
+    def __init__(self, inner: nn.Module, placement: Placement):
         super().__init__()
         self.inner = inner
-        self.shift = shift
-        self.set_runs(runs)
-
-    def set_runs(self, runs: Optional[Runs]) -> None:
-        self.runs = runs
-        if runs is None:
-            self._positions = None
-            self._n = self._max = 0
-        else:
-            positions = runs_to_positions(runs)
-            self._n = int(positions.size)
-            self._max = int(positions.max()) if positions.size else 0
-            self._positions = mx.array(positions)
+        self.placement = placement
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
-        if self.runs is None:
-            return self.inner(x, offset=offset + self.shift)
-        if self._n != x.shape[-2]:
-            raise ValueError(f"runs cover {self._n} tokens, input has {x.shape[-2]}")
-        if len(self.runs) == 1:
-            return self.inner(x, offset=self.runs[0][0])
+        place = self.placement
+        runs = place.runs
+        if runs is None:
+            return self.inner(x, offset=offset + place.shift)
+        if place.count != x.shape[-2]:
+            raise ValueError(f"runs cover {place.count} tokens, input has {x.shape[-2]}")
+        if len(runs) == 1:
+            return self.inner(x, offset=runs[0][0])
         if x.ndim == 4:
-            ok, reason = per_token_support(self.inner, x.shape[-1], self._max)
+            ok, reason = per_token_support(self.inner, x.shape[-1], place.largest)
             if ok:
-                return _per_token_call(self.inner, x, self._positions)
+                return _per_token_call(self.inner, x, place.positions)
         else:
             reason = f"input of rank {x.ndim}, not (batch, heads, tokens, dim)"
         _note_fallback(self.inner, reason)
-        return _per_run_call(self.inner, x, self.runs)
+        return _per_run_call(self.inner, x, runs)
+
+
+# id(model) -> (weakref, (Placement, [(attention module, its wrapper)])): made once, so a
+# decode step that moves positions puts wrappers in place without building any
+_WRAPPERS: dict[int, tuple] = {}
+
+
+def _wrappers(model: nn.Module) -> tuple[Placement, list]:
+    known = _recall(_WRAPPERS, model)
+    if known is not None and all(owner["rope"] is wrapper or owner["rope"] is wrapper.inner
+                                 for owner, wrapper in known[1]):
+        return known
+    placement, pairs = Placement(), []
+    for owner in rope_owners(model):
+        rope = owner["rope"]
+        inner = rope.inner if isinstance(rope, PositionedRoPE) else rope
+        pairs.append((owner, PositionedRoPE(inner, placement)))
+    _remember(_WRAPPERS, model, (placement, pairs))
+    return placement, pairs
 
 
 def install_rope(model: nn.Module, runs: Optional[Runs] = None, shift: int = 0) -> None:
-    """Wrap every attention layer's rope (re-using wrappers already there); on a
+    """Wrap every attention layer's rope (the model's wrappers, made on first use); on a
     position_ids model, set the decode carrier instead."""
     if takes_position_ids(model):
         carrier = position_carrier(model)
@@ -227,25 +254,11 @@ def install_rope(model: nn.Module, runs: Optional[Runs] = None, shift: int = 0) 
     if runs is None and shift == 0:
         cleanup_rope(model)  # the model's own RoPE is already right
         return
-    shared = None  # one positions array for every layer of this call
-    for owner in rope_owners(model):
-        rope = owner["rope"]
-        if isinstance(rope, PositionedRoPE):
-            rope.shift = shift
-            if shared is None:
-                rope.set_runs(runs)
-                shared = rope
-            else:
-                rope.runs, rope._positions = shared.runs, shared._positions
-                rope._n, rope._max = shared._n, shared._max
-        else:
-            if shared is None:
-                owner.rope = shared = PositionedRoPE(rope, runs, shift)
-            else:
-                wrapper = PositionedRoPE(rope, None, shift)
-                wrapper.runs, wrapper._positions = shared.runs, shared._positions
-                wrapper._n, wrapper._max = shared._n, shared._max
-                owner.rope = wrapper
+    placement, pairs = _wrappers(model)
+    placement.set(runs, shift)
+    for owner, wrapper in pairs:
+        if owner["rope"] is not wrapper:
+            owner.rope = wrapper
 
 
 def cleanup_rope(model: nn.Module) -> None:
@@ -256,7 +269,9 @@ def cleanup_rope(model: nn.Module) -> None:
         carrier._rope_deltas = None
         carrier._position_ids = None
         return
-    for owner in rope_owners(model):
+    known = _recall(_WRAPPERS, model)
+    owners = [owner for owner, _ in known[1]] if known is not None else rope_owners(model)
+    for owner in owners:
         rope = owner["rope"]
         if isinstance(rope, PositionedRoPE):
             owner.rope = rope.inner
