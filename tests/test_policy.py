@@ -119,6 +119,53 @@ def test_a_slow_outlier_is_bounded_by_the_other_models_rate():
     assert costs.predict("draft", 3000) <= 32 * 4 * 3e-10 * sum(draft.flops(3000, 0))
 
 
+def test_a_next_turns_debt_declines_a_saving_smaller_than_it_and_persists(tmp_path):
+    """A conversation's next turn after a SpecPrefill turn continues from a sparse view:
+    when such turns measured more than a dense continuation by twice the saving, the
+    policy declines (it engaged before), and the debt scales with the turn followed."""
+    target, draft = Shape(8_000_000_000, 36 * 32 * 128), Shape(600_000_000, 28 * 16 * 128)
+    costs = CostModel(target, draft, warm={"target", "draft"}, path=tmp_path / "costs.json")
+    for tokens, cached in ((128, 0), (512, 0), (2048, 2048), (8192, 0)):
+        costs.observe("target", tokens, cached, 1e-14 * sum(target.flops(tokens, cached)))
+        costs.observe("draft", tokens, cached, 1e-14 * sum(draft.flops(tokens, cached)))
+    before = predict(costs, 32768, 0, 0, 3277)
+    assert before.pays(0.1) and before.debt_s == 0
+    saving = before.dense_s - before.specprefill_s
+    for _ in range(3):
+        costs.observe_followup(500, 32768, costs.predict("target", 500, 32768) + 2 * saving)
+    after = predict(costs, 32768, 0, 0, 3277)
+    assert after.debt_s == pytest.approx(2 * saving, rel=0.01)
+    assert after.gain == pytest.approx(before.gain) and not after.pays(0.1)
+    assert "debt" in after.describe() and "debt" in after.shortfall(0.1)
+    assert predict(costs, 16384, 0, 0, 1639).debt_s == pytest.approx(saving, rel=0.01)
+    costs.save()
+    loaded = CostModel(target, draft, path=costs.path)
+    loaded.load()
+    assert list(loaded.followup) == list(costs.followup)
+
+
+def test_a_turn_after_a_stored_specprefill_turn_is_measured_as_its_follow_up(
+        demo_pair, fresh_cache_dir):
+    """The engine records each turn that continued a stored SpecPrefill turn (the
+    length it followed, its own new tokens), and keeps them with its costs."""
+    _, _, tokenizer = demo_pair
+    messages = _long(tokenizer, 60, 1500)
+    with Engine(densify="off") as engine:
+        first = engine.generate_sync(messages, max_tokens=6, specprefill=True)
+        turn = [*messages, {"role": "assistant", "content": first.text},
+                {"role": "user", "content": "And what was the first word of the text?"}]
+        second = engine.generate_sync(turn, max_tokens=4, specprefill=False)
+        engine.generate_sync(_long(tokenizer, 61, 1500), max_tokens=2, specprefill=False)
+    assert first.specprefill.engaged
+    saved = json.loads(next((fresh_cache_dir / "costs").glob("*.json")).read_text())
+    points = saved["followup"]["points"]
+    assert len(points) == 1  # the unrelated prompt follows nothing
+    new, followed, seconds, _ = points[0]
+    stored = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert first.usage.prompt_tokens < followed <= stored + 1  # its prompt and reply
+    assert new + followed == second.usage.prompt_tokens and seconds > 0
+
+
 def _long(tokenizer, seed, tokens=2000):
     return make_case(tokenizer, seed, "passkey", tokens).messages
 

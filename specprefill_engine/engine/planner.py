@@ -128,7 +128,7 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches,
             return False, declined
         return True, (f"policy: re-check: {prediction.describe()}, but the shapes alone "
                       f"predict {shapes:.2f}x")
-    return False, f"policy: {prediction.describe()} (< {1 + config.specprefill_margin:.2f}x)"
+    return False, f"policy: {prediction.describe()} ({prediction.shortfall(config.specprefill_margin)})"
 
 
 def _set_feed(state: RequestState, runtime: Runtime, hit: Optional[Hit], cut: int,
@@ -415,11 +415,22 @@ def promote(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> list
     return [load for load in loads if load is not None]
 
 
+def follows_sparse(state: RequestState, target: Optional[PrefixCache],
+                   dense_hit: Optional[Hit]) -> int:
+    """The prompt length of a stored SpecPrefill turn this request continues beyond its
+    dense prefix (a conversation's next turn; the cost model's follow-ups), else 0."""
+    hit = target.find(state.tokens) if target is not None else None
+    if hit is None or hit.entry.positions is None:
+        return 0
+    return hit.shared if hit.shared > (dense_hit.cut if dense_hit else 0) else 0
+
+
 def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
     """Decide the request's prefill: scoring (then `plan_sparse`) or a dense feed, after
     the draft's own feed of the prompt when it is to propose the reply."""
     caches = caches_for(state, caches)
     dense_hit = find_dense(state, caches.target)
+    state.follows = follows_sparse(state, caches.target, dense_hit)
     report = state.report
     report.engaged, report.reason = decide(state, runtime, caches, dense_hit)
     if report.engaged:

@@ -23,7 +23,13 @@ it; a faster one says the belief was too pessimistic).
 
 SpecPrefill is engaged when the predicted dense time exceeds the predicted SpecPrefill
 time (the draft on what its prefix cache lacks + the target on the kept tokens) by
-more than `margin`. A policy that declines where the shapes alone predict a large gain
+more than `margin`, and by more than a next turn's debt: a conversation's next turn
+continues a dense turn from its whole cache, but a SpecPrefill turn from a sparse view
+that it repairs, extends or selects anew (unless densified in time). Turns that
+followed a stored SpecPrefill turn are measured ("followup": their prefill and scoring
+against a dense continuation's predicted time, per token of the turn they followed),
+and their median extra, scaled to the prompt, is the debt (0 until one is measured, so
+single requests never pay it). A policy that declines where the shapes alone predict a large gain
 (`RECHECK_GAIN`) engages now and then anyway, at growing intervals, so a wrong fit is
 measured and corrected instead of locking itself in (`Recheck`).
 
@@ -211,6 +217,7 @@ class CostModel:
     target: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     draft: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     repair: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # the target's
+    followup: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # the target's
     path: Optional[Path] = None  # where the observations persist
     warm: set = field(default_factory=set)  # models whose first prefill has been seen
     recheck: Recheck = field(default_factory=Recheck)
@@ -231,6 +238,22 @@ class CostModel:
         if tokens > 0 and 0 < seconds < _MAX_SECONDS:
             getattr(self, which).append((int(tokens), int(cached), float(seconds), time.time()))
             self._laws.clear()
+
+    def observe_followup(self, tokens: int, cached: int, seconds: float) -> None:
+        """A turn that continued a stored SpecPrefill turn of `cached` tokens with `tokens`
+        more: its prefill and scoring took `seconds`."""
+        if tokens > 0 and cached > 0 and 0 < seconds < _MAX_SECONDS:
+            self.followup.append((int(tokens), int(cached), float(seconds), time.time()))
+
+    def debt(self, tokens: int) -> float:
+        """What a next turn is expected to pay for following a SpecPrefill turn of
+        `tokens` rather than a dense one: the median extra seconds per token of the turn
+        followed, over the follow-ups measured, times `tokens` (0 before any)."""
+        if not self.followup or not self.measured():
+            return 0.0
+        extra = [max(seconds - self.predict("target", new, cached), 0.0) / cached
+                 for new, cached, seconds, _ in self.followup]
+        return tokens * float(np.median(extra))
 
     def _rate(self, which: str) -> Optional[float]:
         """A model's seconds per FLOP over its long prefills (the median), if any."""
@@ -300,7 +323,7 @@ class CostModel:
                            version, VERSION)
             return
         shapes = {"target": self.target_shape, "draft": self.draft_shape,
-                  "repair": self.target_shape}
+                  "repair": self.target_shape, "followup": self.target_shape}
         dropped = 0
         for which, shape in shapes.items():
             entry = saved.get(which)
@@ -322,7 +345,7 @@ class CostModel:
         if self.path is None or not (self.target or self.draft or self.repair):
             return
         saved = {"version": VERSION}
-        for which in ("target", "draft", "repair"):
+        for which in ("target", "draft", "repair", "followup"):
             shape = self.shape(which)
             if shape is not None:
                 saved[which] = {"shape": [shape.parameters, shape.attention],
@@ -359,28 +382,38 @@ def cost_model(target: nn.Module, draft: Optional[nn.Module], key: tuple) -> Cos
 class Prediction:
     dense_s: float
     specprefill_s: float
+    debt_s: float = 0.0  # what a next turn is expected to pay after a SpecPrefill turn
 
     @property
     def gain(self) -> float:
         return self.dense_s / max(self.specprefill_s, 1e-12)
 
     def pays(self, margin: float) -> bool:
-        """SpecPrefill is worth engaging: the predicted gain beats 1 + margin."""
-        return self.gain >= 1 + margin
+        """SpecPrefill is worth engaging: the predicted gain beats 1 + margin, and the
+        seconds it saves beat a next turn's debt."""
+        return self.gain >= 1 + margin and self.dense_s - self.specprefill_s > self.debt_s
 
     def describe(self) -> str:
+        debt = f", a next turn's debt {self.debt_s:.3f}s" if self.debt_s else ""
         return (f"predicted {self.gain:.2f}x: dense {self.dense_s:.3f}s, "
-                f"SpecPrefill {self.specprefill_s:.3f}s")
+                f"SpecPrefill {self.specprefill_s:.3f}s{debt}")
+
+    def shortfall(self, margin: float) -> str:
+        """Why it does not pay."""
+        if self.gain < 1 + margin:
+            return f"< {1 + margin:.2f}x"
+        return "it saves less than a next turn's debt"
 
 
 def predict(costs: CostModel, prompt_tokens: int, dense_cached: int, draft_cached: int,
             kept_tokens: int) -> Prediction:
     """Dense: the target on what its prefix cache lacks. SpecPrefill: the draft on
-    what its prefix cache lacks, then the target on the kept tokens."""
+    what its prefix cache lacks, then the target on the kept tokens; and the debt a
+    next turn would pay for it."""
     dense = costs.predict("target", prompt_tokens - dense_cached, dense_cached)
     sparse = costs.predict("draft", prompt_tokens - draft_cached, draft_cached) + \
         costs.predict("target", kept_tokens)
-    return Prediction(dense, sparse)
+    return Prediction(dense, sparse, costs.debt(prompt_tokens))
 
 
 def shapes_gain(costs: CostModel, prompt_tokens: int, dense_cached: int, draft_cached: int,

@@ -89,6 +89,8 @@ class RequestState:
     scoring: Optional[Scoring] = None  # the draft's scoring (rank 0 only)
     prefill: Optional[Feed] = None  # what the target computes
     prefill_busy: float = 0.0  # seconds in its chunks (for the cost model)
+    scoring_busy: float = 0.0  # seconds in the draft's scoring units (for the cost model)
+    follows: int = 0  # the length of a stored SpecPrefill turn it continues (for the cost model)
     densified: bool = False  # dense after a densified prefix: its entries count as densified
     positions: Optional[np.ndarray] = None  # each prompt cache entry's position; None: all
     repaired: int = 0  # tokens of dropped passages its prefill feeds after later entries

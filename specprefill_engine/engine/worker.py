@@ -634,6 +634,9 @@ class Worker:
         feed = state.prefill
         runtime.costs.observe("repair" if state.repaired else "target", int(feed.tokens.size),
                               feed.cached, state.prefill_busy)
+        if state.follows:
+            runtime.costs.observe_followup(int(state.tokens.size) - state.follows, state.follows,
+                                           state.prefill_busy + state.scoring_busy)
         if reason is not None:
             self._end(state, reason)
             return
@@ -654,6 +657,7 @@ class Worker:
             return
         caches = caches_for(state, caches)
         state.timings.scoring = time.perf_counter() - state.started
+        state.scoring_busy = scoring.busy
         state.scoring = None
         if result is None:
             plan_dense(state, runtime, find_dense(state, caches.target))
