@@ -119,10 +119,12 @@ def test_a_slow_outlier_is_bounded_by_the_other_models_rate():
     assert costs.predict("draft", 3000) <= 32 * 4 * 3e-10 * sum(draft.flops(3000, 0))
 
 
-def test_a_next_turns_debt_declines_a_saving_smaller_than_it_and_persists(tmp_path):
-    """A conversation's next turn after a SpecPrefill turn continues from a sparse view:
-    when such turns measured more than a dense continuation by twice the saving, the
-    policy declines (it engaged before), and the debt scales with the turn followed."""
+def test_a_conversations_debt_declines_a_saving_smaller_than_its_chain_and_persists(tmp_path):
+    """A SpecPrefill turn's next turn continues from a sparse view and, selecting anew,
+    leaves one of its own: when each of a chain's three later turns paid 0.4 of the first
+    turn's saving over a dense continuation, engaging no longer pays; a chain that ends
+    after one later turn still does; the debt scales with the prompt and is at most the
+    dense prefill that would end the chain."""
     target, draft = Shape(8_000_000_000, 36 * 32 * 128), Shape(600_000_000, 28 * 16 * 128)
     costs = CostModel(target, draft, warm={"target", "draft"}, path=tmp_path / "costs.json")
     for tokens, cached in ((128, 0), (512, 0), (2048, 2048), (8192, 0)):
@@ -131,23 +133,38 @@ def test_a_next_turns_debt_declines_a_saving_smaller_than_it_and_persists(tmp_pa
     before = predict(costs, 32768, 0, 0, 3277)
     assert before.pays(0.1) and before.debt_s == 0
     saving = before.dense_s - before.specprefill_s
-    for _ in range(3):
-        costs.observe_followup(500, 32768, costs.predict("target", 500, 32768) + 2 * saving)
+
+    def later_turn(length):
+        costs.observe_followup(500, length, costs.predict("target", 500, length) + 0.4 * saving)
+
+    costs.observe_sparse(32768, 0, 1.0)  # a chain starts
+    later_turn(32768)
+    one = predict(costs, 32768, 0, 0, 3277)
+    assert one.debt_s == pytest.approx(0.4 * saving, rel=0.01) and one.pays(0.1)
+    for length in (33268, 33768):  # the later turns selected anew: the chain goes on
+        costs.observe_sparse(length, length - 500, 1.0)
+        later_turn(length)
     after = predict(costs, 32768, 0, 0, 3277)
-    assert after.debt_s == pytest.approx(2 * saving, rel=0.01)
+    assert after.debt_s == pytest.approx(1.2 * saving, rel=0.02)
     assert after.gain == pytest.approx(before.gain) and not after.pays(0.1)
     assert "debt" in after.describe() and "debt" in after.shortfall(0.1)
-    assert predict(costs, 16384, 0, 0, 1639).debt_s == pytest.approx(saving, rel=0.01)
+    half = predict(costs, 16384, 0, 0, 1639)
+    assert half.debt_s == pytest.approx(min(0.6 * saving, half.dense_s), rel=0.02)
+    for length in range(34268, 40000, 500):  # a long chain: ending it densely is the bound
+        costs.observe_sparse(length, length - 500, 1.0)
+        later_turn(length)
+    assert predict(costs, 32768, 0, 0, 3277).debt_s == before.dense_s
     costs.save()
     loaded = CostModel(target, draft, path=costs.path)
     loaded.load()
     assert list(loaded.followup) == list(costs.followup)
+    assert list(loaded.sparse) == list(costs.sparse)
 
 
 def test_a_turn_after_a_stored_specprefill_turn_is_measured_as_its_follow_up(
         demo_pair, fresh_cache_dir):
-    """The engine records each turn that continued a stored SpecPrefill turn (the
-    length it followed, its own new tokens), and keeps them with its costs."""
+    """The engine records its stored SpecPrefill turns and each turn that continued one
+    (the length it followed, its own new tokens), and keeps them with its costs."""
     _, _, tokenizer = demo_pair
     messages = _long(tokenizer, 60, 1500)
     with Engine(densify="off") as engine:
@@ -158,6 +175,8 @@ def test_a_turn_after_a_stored_specprefill_turn_is_measured_as_its_follow_up(
         engine.generate_sync(_long(tokenizer, 61, 1500), max_tokens=2, specprefill=False)
     assert first.specprefill.engaged
     saved = json.loads(next((fresh_cache_dir / "costs").glob("*.json")).read_text())
+    assert [(tokens, follows) for tokens, follows, *_ in saved["sparse"]["points"]] == [
+        (first.usage.prompt_tokens, 0)]  # the SpecPrefill turn, starting a chain
     points = saved["followup"]["points"]
     assert len(points) == 1  # the unrelated prompt follows nothing
     new, followed, seconds, _ = points[0]

@@ -23,14 +23,20 @@ it; a faster one says the belief was too pessimistic).
 
 SpecPrefill is engaged when the predicted dense time exceeds the predicted SpecPrefill
 time (the draft on what its prefix cache lacks + the target on the kept tokens) by
-more than `margin`, and by more than a next turn's debt: a conversation's next turn
-continues a dense turn from its whole cache, but a SpecPrefill turn from a sparse view
-that it repairs, extends or selects anew (unless densified in time). Turns that
-followed a stored SpecPrefill turn are measured ("followup": their prefill and scoring
-against a dense continuation's predicted time, per token of the turn they followed),
-and their median extra, scaled to the prompt, is the debt (0 until one is measured, so
-single requests never pay it). A policy that declines where the shapes alone predict a large gain
-(`RECHECK_GAIN`) engages now and then anyway, at growing intervals, so a wrong fit is
+more than `margin`, and by more than the conversation's debt. A conversation's next turn
+continues a dense turn from its whole cache, but a SpecPrefill turn from a sparse view,
+which it extends, repairs or selects anew (unless densified in time), and a turn that
+selects anew leaves a view of its own: a chain of turns that each pay, until one runs
+dense. So the engine measures each turn that follows a stored SpecPrefill turn
+("followup": its prefill and scoring against a dense continuation's predicted time, per
+token of the turn it followed) and counts its stored SpecPrefill turns ("sparse", and
+which of them started a chain); the debt of engaging on a prompt of L tokens is the
+median extra per token times L, times the follow-ups a chain has had on average,
+bounded by the dense prefill that would end the chain. Until a follow-up is measured it
+is 0, so single requests never pay it.
+
+A policy that declines where the shapes alone predict a large gain (`RECHECK_GAIN`)
+engages now and then anyway, at growing intervals, so a wrong fit is
 measured and corrected instead of locking itself in (`Recheck`).
 
 A repair (`planner.py`) feeds a stored sparse view's dropped passages after entries of
@@ -218,6 +224,7 @@ class CostModel:
     draft: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     repair: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # the target's
     followup: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # the target's
+    sparse: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # the target's
     path: Optional[Path] = None  # where the observations persist
     warm: set = field(default_factory=set)  # models whose first prefill has been seen
     recheck: Recheck = field(default_factory=Recheck)
@@ -245,15 +252,33 @@ class CostModel:
         if tokens > 0 and cached > 0 and 0 < seconds < _MAX_SECONDS:
             self.followup.append((int(tokens), int(cached), float(seconds), time.time()))
 
+    def observe_sparse(self, tokens: int, follows: int, seconds: float) -> None:
+        """A SpecPrefill turn of `tokens` whose cache is kept; `follows`: the length of the
+        stored SpecPrefill turn it continued (0: it starts a chain)."""
+        if tokens > 0 and follows >= 0 and 0 < seconds < _MAX_SECONDS:
+            self.sparse.append((int(tokens), int(follows), float(seconds), time.time()))
+
+    def chain(self) -> float:
+        """The follow-ups a chain of SpecPrefill turns has had on average, over the
+        period both records cover (0 before any follow-up)."""
+        if not self.followup:
+            return 0.0
+        full = [points[0][3] for points in (self.followup, self.sparse)
+                if len(points) == points.maxlen]  # a full record has dropped older points
+        since = max(full, default=0.0)
+        followed = sum(at >= since for *_, at in self.followup)
+        starts = sum(at >= since and follows == 0 for _, follows, _, at in self.sparse)
+        return followed / max(starts, 1)
+
     def debt(self, tokens: int) -> float:
-        """What a next turn is expected to pay for following a SpecPrefill turn of
-        `tokens` rather than a dense one: the median extra seconds per token of the turn
-        followed, over the follow-ups measured, times `tokens` (0 before any)."""
+        """What engaging on a prompt of `tokens` is expected to cost the conversation's
+        later turns: the median extra seconds a follow-up paid per token of the turn it
+        followed, times `tokens`, times the follow-ups of a chain (0 before any)."""
         if not self.followup or not self.measured():
             return 0.0
         extra = [max(seconds - self.predict("target", new, cached), 0.0) / cached
                  for new, cached, seconds, _ in self.followup]
-        return tokens * float(np.median(extra))
+        return tokens * float(np.median(extra)) * self.chain()
 
     def _rate(self, which: str) -> Optional[float]:
         """A model's seconds per FLOP over its long prefills (the median), if any."""
@@ -323,7 +348,8 @@ class CostModel:
                            version, VERSION)
             return
         shapes = {"target": self.target_shape, "draft": self.draft_shape,
-                  "repair": self.target_shape, "followup": self.target_shape}
+                  "repair": self.target_shape, "followup": self.target_shape,
+                  "sparse": self.target_shape}
         dropped = 0
         for which, shape in shapes.items():
             entry = saved.get(which)
@@ -345,7 +371,7 @@ class CostModel:
         if self.path is None or not (self.target or self.draft or self.repair):
             return
         saved = {"version": VERSION}
-        for which in ("target", "draft", "repair", "followup"):
+        for which in ("target", "draft", "repair", "followup", "sparse"):
             shape = self.shape(which)
             if shape is not None:
                 saved[which] = {"shape": [shape.parameters, shape.attention],
@@ -382,7 +408,7 @@ def cost_model(target: nn.Module, draft: Optional[nn.Module], key: tuple) -> Cos
 class Prediction:
     dense_s: float
     specprefill_s: float
-    debt_s: float = 0.0  # what a next turn is expected to pay after a SpecPrefill turn
+    debt_s: float = 0.0  # what later turns are expected to pay after a SpecPrefill turn
 
     @property
     def gain(self) -> float:
@@ -390,11 +416,11 @@ class Prediction:
 
     def pays(self, margin: float) -> bool:
         """SpecPrefill is worth engaging: the predicted gain beats 1 + margin, and the
-        seconds it saves beat a next turn's debt."""
+        seconds it saves beat the conversation's debt."""
         return self.gain >= 1 + margin and self.dense_s - self.specprefill_s > self.debt_s
 
     def describe(self) -> str:
-        debt = f", a next turn's debt {self.debt_s:.3f}s" if self.debt_s else ""
+        debt = f", later turns' debt {self.debt_s:.3f}s" if self.debt_s else ""
         return (f"predicted {self.gain:.2f}x: dense {self.dense_s:.3f}s, "
                 f"SpecPrefill {self.specprefill_s:.3f}s{debt}")
 
@@ -402,18 +428,19 @@ class Prediction:
         """Why it does not pay."""
         if self.gain < 1 + margin:
             return f"< {1 + margin:.2f}x"
-        return "it saves less than a next turn's debt"
+        return "it saves less than later turns' debt"
 
 
 def predict(costs: CostModel, prompt_tokens: int, dense_cached: int, draft_cached: int,
             kept_tokens: int) -> Prediction:
     """Dense: the target on what its prefix cache lacks. SpecPrefill: the draft on
-    what its prefix cache lacks, then the target on the kept tokens; and the debt a
-    next turn would pay for it."""
+    what its prefix cache lacks, then the target on the kept tokens; and what it is
+    expected to cost the conversation's later turns, at most the dense prefill that
+    would end their chain."""
     dense = costs.predict("target", prompt_tokens - dense_cached, dense_cached)
     sparse = costs.predict("draft", prompt_tokens - draft_cached, draft_cached) + \
         costs.predict("target", kept_tokens)
-    return Prediction(dense, sparse, costs.debt(prompt_tokens))
+    return Prediction(dense, sparse, min(costs.debt(prompt_tokens), dense))
 
 
 def shapes_gain(costs: CostModel, prompt_tokens: int, dense_cached: int, draft_cached: int,

@@ -634,9 +634,12 @@ class Worker:
         feed = state.prefill
         runtime.costs.observe("repair" if state.repaired else "target", int(feed.tokens.size),
                               feed.cached, state.prefill_busy)
+        busy = state.prefill_busy + state.scoring_busy
         if state.follows:
             runtime.costs.observe_followup(int(state.tokens.size) - state.follows, state.follows,
-                                           state.prefill_busy + state.scoring_busy)
+                                           busy)
+        if state.report.engaged and state.cache_prompt:
+            runtime.costs.observe_sparse(int(state.tokens.size), state.follows, busy)
         if reason is not None:
             self._end(state, reason)
             return
