@@ -418,9 +418,11 @@ def promote(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> list
 def follows_sparse(state: RequestState, target: Optional[PrefixCache],
                    dense_hit: Optional[Hit]) -> int:
     """The prompt length of a stored SpecPrefill turn this request continues beyond its
-    dense prefix (a conversation's next turn; the cost model's follow-ups), else 0."""
+    dense prefix (a conversation's next turn; the cost model's follow-ups), else 0. A
+    request sharing less than half of the stored turn (a system prompt, say) continues
+    nothing."""
     hit = target.find(state.tokens) if target is not None else None
-    if hit is None or hit.entry.positions is None:
+    if hit is None or hit.entry.positions is None or 2 * hit.shared < hit.entry.tokens.size:
         return 0
     return hit.shared if hit.shared > (dense_hit.cut if dense_hit else 0) else 0
 
