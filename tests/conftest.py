@@ -1,5 +1,7 @@
+import atexit
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -12,8 +14,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 # session's own cache directory
 TEST_MODELS = os.environ.get("SPECPREFILL_TEST_MODELS")
 # what the engine keeps across processes (the policy's observed costs) starts empty here,
-# so no test depends on what an earlier run measured
+# so no test depends on what an earlier run measured; removed when the process ends (it
+# holds the real models converted for the session: gigabytes)
 os.environ["SPECPREFILL_CACHE_DIR"] = tempfile.mkdtemp(prefix="specprefill-tests-")
+atexit.register(shutil.rmtree, os.environ["SPECPREFILL_CACHE_DIR"], ignore_errors=True)
 # pytest-xdist's workers share the machine's cores: each BLAS gets its share of them, so
 # the workers' matmul threads do not take turns on the same cores (read as BLAS loads)
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

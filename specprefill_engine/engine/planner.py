@@ -43,6 +43,7 @@ from .state import RequestState, Scoring, Status
 
 logger = logging.getLogger(__name__)
 REPLY_TOKENS = 512  # the most reply tokens a reuse decision counts decode for
+FOLLOW_SLACK = 16  # tokens at a stored turn's end a next turn's template may render otherwise
 
 
 @dataclass
@@ -417,12 +418,16 @@ def promote(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> list
 
 def follows_sparse(state: RequestState, target: Optional[PrefixCache],
                    dense_hit: Optional[Hit]) -> int:
-    """The prompt length of a stored SpecPrefill turn this request continues beyond its
-    dense prefix (a conversation's next turn; the cost model's follow-ups), else 0. A
-    request sharing less than half of the stored turn (a system prompt, say) continues
-    nothing."""
+    """The length of a stored SpecPrefill turn this request continues beyond its dense
+    prefix (a conversation's next turn, the cost model's follow-ups), else 0. It must hold
+    the whole turn, prompt and reply (up to `FOLLOW_SLACK` tokens its chat template may
+    render otherwise), and go on past it: a retried prompt, a sibling request with the
+    same system prompt or document, continues no turn."""
     hit = target.find(state.tokens) if target is not None else None
-    if hit is None or hit.entry.positions is None or 2 * hit.shared < hit.entry.tokens.size:
+    if hit is None or hit.entry.positions is None:
+        return 0
+    stored = hit.entry.tokens.size
+    if hit.shared < stored - FOLLOW_SLACK or state.tokens.size <= stored:
         return 0
     return hit.shared if hit.shared > (dense_hit.cut if dense_hit else 0) else 0
 
