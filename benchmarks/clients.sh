@@ -134,7 +134,12 @@ EOF
     done
     "$PYTHON" - "$WORK" <<'EOF' || FAILED=1
 import json, sys
-turns = [json.load(open(f"{sys.argv[1]}/claude-turn{t}.out")) for t in (1, 2, 3)]
+def result(path):  # the JSON line (Claude Code may print a notice line before it)
+    lines = [line for line in open(path) if line.startswith("{")]
+    return json.loads(lines[-1])
+
+
+turns = [result(f"{sys.argv[1]}/claude-turn{t}.out") for t in (1, 2, 3)]
 prompts = [u["input_tokens"] + u["cache_read_input_tokens"] for u in (t["usage"] for t in turns)]
 ok = True
 for t in (1, 2):
