@@ -437,7 +437,8 @@ def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
     the draft's own feed of the prompt when it is to propose the reply."""
     caches = caches_for(state, caches)
     dense_hit = find_dense(state, caches.target)
-    state.follows = follows_sparse(state, caches.target, dense_hit)
+    if runtime.scorer is not None:  # without a draft no SpecPrefill turn is stored
+        state.follows = follows_sparse(state, caches.target, dense_hit)
     report = state.report
     report.engaged, report.reason = decide(state, runtime, caches, dense_hit)
     if report.engaged:

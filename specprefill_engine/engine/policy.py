@@ -242,21 +242,19 @@ class CostModel:
             self.warm.add(model)
             if seconds >= self.predict(which, tokens, cached):
                 return
-        if tokens > 0 and 0 < seconds < _MAX_SECONDS:
-            getattr(self, which).append((int(tokens), int(cached), float(seconds), time.time()))
+        if _record(getattr(self, which), tokens, cached, seconds):
             self._laws.clear()
 
     def observe_followup(self, tokens: int, cached: int, seconds: float) -> None:
         """A turn that continued a stored SpecPrefill turn of `cached` tokens with `tokens`
         more: its prefill and scoring took `seconds`."""
-        if tokens > 0 and cached > 0 and 0 < seconds < _MAX_SECONDS:
-            self.followup.append((int(tokens), int(cached), float(seconds), time.time()))
+        if cached > 0:
+            _record(self.followup, tokens, cached, seconds)
 
     def observe_sparse(self, tokens: int, follows: int, seconds: float) -> None:
         """A SpecPrefill turn of `tokens` whose cache is kept; `follows`: the length of the
         stored SpecPrefill turn it continued (0: it starts a chain)."""
-        if tokens > 0 and follows >= 0 and 0 < seconds < _MAX_SECONDS:
-            self.sparse.append((int(tokens), int(follows), float(seconds), time.time()))
+        _record(self.sparse, tokens, follows, seconds)
 
     def chain(self) -> float:
         """The follow-ups a chain of SpecPrefill turns has had on average, over the
@@ -377,6 +375,14 @@ class CostModel:
                 saved[which] = {"shape": [shape.parameters, shape.attention],
                                 "points": list(getattr(self, which))}
         save_json(self.path, saved, "prefill costs")
+
+
+def _record(points: deque, tokens: int, cached: int, seconds: float) -> bool:
+    """Append a measured point (tokens, cached, seconds, when) if it can be one."""
+    if tokens <= 0 or cached < 0 or not 0 < seconds < _MAX_SECONDS:
+        return False
+    points.append((int(tokens), int(cached), float(seconds), time.time()))
+    return True
 
 
 def _plausible(point, shape: Shape) -> bool:
