@@ -22,8 +22,8 @@ def test_the_cost_fit_recovers_a_weights_plus_attention_law():
     costs = CostModel(target, draft, warm={"target", "draft"})
 
     def law(shape, rate_w, rate_a, tokens, cached):
-        weights, attention = shape.flops(tokens, cached)
-        return rate_w * weights + rate_a * attention
+        weights, own, over_cache = shape.flops(tokens, cached)
+        return rate_w * weights + rate_a * (own + over_cache)
 
     for tokens, cached in ((128, 0), (512, 0), (2048, 2048), (8192, 0)):
         costs.observe("target", tokens, cached, law(target, 1e-14, 3e-14, tokens, cached))
@@ -35,6 +35,25 @@ def test_the_cost_fit_recovers_a_weights_plus_attention_law():
     assert prediction.dense_s > prediction.specprefill_s
     # with most of the prompt cached for the target only, dense wins
     assert predict(costs, 32768, 32000, 0, 3277).gain < 1
+
+
+def test_an_agents_short_turns_do_not_set_what_a_long_prompt_costs():
+    """A few new tokens over a long cache attend at their own rate per FLOP (bound by
+    memory), not a long prompt's: many such turns leave its prediction where measured."""
+    target, draft = Shape(7_000_000_000, 36 * 32 * 128), Shape(440_000_000, 28 * 16 * 128)
+    costs = CostModel(target, draft, warm={"target", "draft"})
+
+    def seconds(tokens, cached):
+        weights, own, over_cache = target.flops(tokens, cached)
+        return 0.01 + 2e-15 * weights + 1e-15 * own + 8e-15 * over_cache
+
+    for turn in range(60):  # long prompts now and then, short next turns in between
+        tokens, cached = {0: (32000, 0), 6: (8000, 0)}.get(turn % 12,
+                                                         (500, 32000 + 500 * (turn % 6)))
+        costs.observe("target", tokens, cached, seconds(tokens, cached))
+    assert costs.predict("target", 32000) == pytest.approx(seconds(32000, 0), rel=0.05)
+    assert costs.predict("target", 16000) == pytest.approx(seconds(16000, 0), rel=0.05)
+    assert costs.predict("target", 500, 36000) == pytest.approx(seconds(500, 36000), rel=0.05)
 
 
 def test_before_any_prefill_the_flop_ratio_decides():

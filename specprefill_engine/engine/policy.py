@@ -2,9 +2,14 @@
 prefills the engine runs anyway. No timed prefill runs on a request's path.
 
 A prefill of L tokens after C cached entries costs W = 2 * parameters * L FLOPs in the
-weights and A = 4 * layers * heads * head_dim * (L*C + L^2/2) in attention, plus a fixed
-cost per call (kernel launches, sampling, the scoring step's lookahead and importance).
-Its time is fit per model as t = c + a*W + b*A over that model's recent prefills:
+weights, N = 4 * layers * heads * head_dim * L^2/2 in attention among its own tokens and
+K = 4 * layers * heads * head_dim * L*C in attention over the cached entries, plus a
+fixed cost per call (kernel launches, sampling, the scoring step's lookahead and
+importance). The two attentions run at different rates per FLOP: a prompt's own tokens
+attend in large blocks, while an agent's next turn (a few hundred tokens after tens of
+thousands cached) reads the whole cache for few queries, bound by memory. With one rate
+the many short continuations set it, and a long prompt's prediction errs by half. The
+time is fit per model as t = c + a*W + b*N + d*K over that model's recent prefills:
 - on relative errors, so a 1-token prefill and a 32K one count alike; the fixed cost c
   explains what a few-token prefill takes, so such a prefill cannot set the FLOP rates;
 - robustly: each point's weight falls with its distance from the fit in log time
@@ -95,10 +100,11 @@ class Shape:
     parameters: int  # outside the embedding
     attention: int  # layers * heads * head_dim of the attention layers (0: unknown)
 
-    def flops(self, tokens: int, cached: int) -> tuple[float, float]:
+    def flops(self, tokens: int, cached: int) -> tuple[float, float, float]:
+        """In the weights, in attention among the new tokens, over the cached entries."""
         weights = 2.0 * self.parameters * tokens
-        attention = 4.0 * self.attention * (tokens * cached + tokens * tokens / 2)
-        return weights, attention
+        own = 4.0 * self.attention * tokens * tokens / 2
+        return weights, own, 4.0 * self.attention * tokens * cached
 
 
 def shape_of(model: nn.Module) -> Shape:
@@ -123,45 +129,47 @@ def shape_of(model: nn.Module) -> Shape:
 
 @dataclass(frozen=True)
 class Law:
-    """t = fixed + weights_rate * W + attention_rate * A, in seconds."""
+    """t = fixed + weights_rate * W + attention_rate * N + cached_rate * K, in seconds."""
 
     fixed: float
     weights_rate: float
     attention_rate: float
+    cached_rate: float
 
     def seconds(self, shape: Shape, tokens: int, cached: int) -> float:
-        weights, attention = shape.flops(tokens, cached)
-        return self.fixed + self.weights_rate * weights + self.attention_rate * attention
+        weights, own, over_cache = shape.flops(tokens, cached)
+        return (self.fixed + self.weights_rate * weights + self.attention_rate * own
+                + self.cached_rate * over_cache)
 
 
 def _box_least_squares(design: np.ndarray, target: np.ndarray, lower: np.ndarray,
-                       upper: np.ndarray) -> np.ndarray:
+                       upper: np.ndarray) -> Optional[np.ndarray]:
     """argmin |design x - target|^2 with lower <= x <= upper, for a few unknowns: the
-    optimum has each unknown free or at one of its bounds, so every such case is tried."""
-    best, best_cost = None, math.inf
+    optimum has each unknown free or at one of its bounds, so every such case is solved
+    (at once, on the normal equations) and the best feasible one kept."""
     n = design.shape[1]
-    for case in itertools.product((None, "lower", "upper"), repeat=n):
-        x = np.where([c == "lower" for c in case], lower, 0.0)
-        x = np.where([c == "upper" for c in case], upper, x)
-        if not np.all(np.isfinite(x)):
-            continue
-        free = [i for i, c in enumerate(case) if c is None]
-        if free:
-            rest = target - design @ x
-            x[free] = np.linalg.lstsq(design[:, free], rest, rcond=None)[0]
-        if np.any(x < lower - 1e-12) or np.any(x > upper * (1 + 1e-9) + 1e-300):
-            continue
-        cost = float(np.sum((design @ x - target) ** 2))
-        if cost < best_cost:
-            best, best_cost = x, cost
-    return best
+    gram, moment = design.T @ design, design.T @ target
+    cases = np.array(list(itertools.product((0, 1, 2), repeat=n)))  # free, lower, upper
+    free = cases == 0
+    ends = np.stack([np.zeros(n), lower, upper])[cases, np.arange(n)]
+    usable = np.all(np.isfinite(ends), axis=1) & ~np.any((cases == 2) & (lower == upper), axis=1)
+    ends = np.where(np.isfinite(ends), ends, 0.0)
+    # a free unknown's row is its normal equation; a held one's says x_i = its bound
+    system = np.where(free[:, :, None], gram, np.eye(n))
+    x = np.einsum("kij,kj->ki", np.linalg.pinv(system), np.where(free, moment, ends))
+    feasible = usable & np.all(x >= lower - 1e-12, axis=1) & \
+        np.all(x <= upper * (1 + 1e-9) + 1e-300, axis=1)
+    if not feasible.any():
+        return None
+    cost = np.einsum("ki,ij,kj->k", x, gram, x) - 2 * x @ moment
+    return np.clip(x[np.flatnonzero(feasible)[np.argmin(cost[feasible])]], lower, upper)
 
 
 def fit(shape: Shape, points, prior_rate: float,
         bounds: Optional[tuple[float, float]] = None) -> Law:
-    """The robust, prior-anchored fit of t = c + a*W + b*A described in the module
+    """The robust, prior-anchored fit of t = c + a*W + b*N + d*K described in the module
     docstring. `points`: (tokens, cached, seconds), oldest first; `bounds`: for the
-    weights' rate (the attention's gets `ATTENTION_SLACK` more room each way)."""
+    weights' rate (the attentions' get `ATTENTION_SLACK` more room each way)."""
     prior = [(tokens, cached, prior_rate * sum(shape.flops(tokens, cached)))
              for tokens, cached in _PRIOR_PREFILLS]
     rows = np.array([(1.0, *shape.flops(t, c)) for t, c, _ in [*points, *prior]])
@@ -172,18 +180,18 @@ def fit(shape: Shape, points, prior_rate: float,
                            np.full(len(prior), PRIOR_WEIGHT / (1 + long))])
     scale = np.maximum(np.abs(rows).max(axis=0), 1e-300)
     scaled = rows / scale / times[:, None]  # relative residuals
-    lower, upper = np.zeros(3), np.full(3, np.inf)
+    lower, upper = np.zeros(4), np.full(4, np.inf)
     # the fixed cost is at most what a short prefill took (the median of those seen),
     # else what a short one would take at the prior rate
     short = [seconds for tokens, _, seconds in points if tokens < LONG]
     upper[0] = float(np.median(short)) if short else prior_rate * sum(shape.flops(LONG, 0))
     if bounds is not None:
-        lower[1:] = bounds[0], bounds[0] / ATTENTION_SLACK
-        upper[1:] = bounds[1], bounds[1] * ATTENTION_SLACK
-    if not rows[:, 2].any():  # no attention width known: its rate is moot
-        upper[2] = lower[2] = 0.0
+        lower[1:] = bounds[0], bounds[0] / ATTENTION_SLACK, bounds[0] / ATTENTION_SLACK
+        upper[1:] = bounds[1], bounds[1] * ATTENTION_SLACK, bounds[1] * ATTENTION_SLACK
+    if not rows[:, 2].any():  # no attention width known: its rates are moot
+        upper[2:] = lower[2:] = 0.0
     weights = base.copy()
-    x = np.array([0.0, prior_rate, prior_rate])
+    x = np.array([0.0, prior_rate, prior_rate, prior_rate])
     for _ in range(6):
         root = np.sqrt(weights)[:, None]
         solved = _box_least_squares(scaled * root, root[:, 0], lower * scale, upper * scale)
@@ -193,7 +201,7 @@ def fit(shape: Shape, points, prior_rate: float,
         predicted = np.maximum(rows @ x, 1e-12)
         distance = np.abs(np.log(predicted / times))
         weights = base * np.minimum(1.0, HUBER / np.maximum(distance, 1e-12))
-    return Law(float(x[0]), float(x[1]), float(x[2]))
+    return Law(*(float(v) for v in x))
 
 
 @dataclass
@@ -312,7 +320,7 @@ class CostModel:
                 prior = min(max(prior, bounds[0]), bounds[1])
             points = [p[:3] for p in getattr(self, which)]
             self._laws[which] = fit(self.shape(which), points, prior, bounds) if points \
-                else Law(0.0, prior, prior)
+                else Law(0.0, prior, prior, prior)
         return self._laws[which]
 
     def predict(self, which: str, tokens: int, cached: int = 0) -> float:
