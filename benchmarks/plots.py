@@ -1,6 +1,7 @@
 """PNG plots from the benchmarks' JSON: TTFT against prompt length per method,
 accuracy against keep per prompt length, decode throughput against concurrent
-streams, and an agent loop's TTFT per step.
+streams, an agent loop's TTFT per step, and a grid of agent loops' wall time against
+mlx-lm's (`agent_grid.sh`'s folder).
 
     .venv/bin/python benchmarks/plots.py --ttft docs/ttft.json --quality docs/quality.json \
         --throughput docs/throughput-cpu.json --agent docs/agent-cpu.json --out docs
@@ -98,12 +99,45 @@ def plot_agent(summary: dict, path: Path, title: str) -> None:
     _save(figure, axes, path)
 
 
+def plot_agent_grid(folder: Path, path: Path) -> None:
+    """Per cell (reply tokens, tool seconds): each row's wall time as a speed-up over
+    mlx-lm's in the same run (the sparse rows: keep 0.1, their own run)."""
+    def walls(name):
+        rows = json.loads((folder / name).read_text())["rows"]
+        return {m: sum(r["wall"] for r in rows if r["method"] == m)
+                for m in dict.fromkeys(r["method"] for r in rows)}
+
+    cells, bars = [], {}
+    for base in sorted(folder.glob("r*-t*-base.json"),
+                       key=lambda p: [-int(p.stem.split("-")[0][1:]), float(p.stem.split("-")[1][1:])]):
+        reply, tool, _ = base.stem.split("-")
+        found = walls(base.name)
+        sparse = folder / f"{reply}-k0.1-{tool}-sparse.json"
+        if sparse.exists():
+            found.update({f"{m}, keep 0.1": w for m, w in walls(sparse.name).items()})
+        mlx_lm = found.pop("mlx-lm + prompt cache")
+        cells.append(f"{reply[1:]} tokens\n{tool[1:]} s tools")
+        for method, wall in found.items():
+            bars.setdefault(method, {})[len(cells) - 1] = mlx_lm / wall
+    figure, axes = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(bars)
+    for i, (method, values) in enumerate(bars.items()):
+        axes.bar([c + i * width for c in values], list(values.values()), width, label=method)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xticks([c + 0.4 - width / 2 for c in range(len(cells))], cells)
+    top = max(v for values in bars.values() for v in values.values())
+    axes.set(ylabel="wall-time speed-up over mlx-lm (x)", ylim=(0, 1.3 * top),
+             title=f"{folder.name}: agent loops, wall time against mlx-lm's")
+    _save(figure, axes, path, legend_size=7)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ttft", nargs="*", default=[], help="ttft JSON files")
     parser.add_argument("--quality", nargs="*", default=[], help="quality JSON files")
     parser.add_argument("--throughput", nargs="*", default=[], help="throughput JSON files")
     parser.add_argument("--agent", nargs="*", default=[], help="agent JSON files")
+    parser.add_argument("--agent-grid", help="a folder of agent_grid.sh's JSON files")
     parser.add_argument("--out", default="docs")
     args = parser.parse_args(argv)
     for name in args.ttft:
@@ -118,6 +152,9 @@ def main(argv=None) -> int:
     for name in args.agent:
         source = Path(name)
         plot_agent(json.loads(source.read_text())["summary"], Path(args.out) / f"{source.stem}.png", source.stem)
+    if args.agent_grid:
+        folder = Path(args.agent_grid)
+        plot_agent_grid(folder, Path(args.out) / f"{folder.name}.png")
     return 0
 
 

@@ -15,7 +15,7 @@ time is fit per model as t = c + a*W + b*N + d*K over that model's recent prefil
 - robustly: each point's weight falls with its distance from the fit in log time
   (Huber), so an outlier (a kernel compiled for a new shape) barely moves it, and older
   points weigh less until they age out (`HISTORY` points, `MAX_AGE_S`);
-- with a weak prior: both rates equal to the model's own seconds per FLOP over its
+- with a weak prior: every rate equal to the model's own seconds per FLOP over its
   longer prefills, else the other model's, else any (then only the FLOP ratio decides),
   and no fixed cost; it decides what the points leave open (a model seen at one length)
   and fades as long prefills are measured;
