@@ -7,9 +7,9 @@ K = 4 * layers * heads * head_dim * L*C in attention over the cached entries, pl
 fixed cost per call (kernel launches, sampling, the scoring step's lookahead and
 importance). The two attentions run at different rates per FLOP: a prompt's own tokens
 attend in large blocks, while an agent's next turn (a few hundred tokens after tens of
-thousands cached) reads the whole cache for few queries, bound by memory. With one rate
-the many short continuations set it, and a long prompt's prediction errs by half. The
-time is fit per model as t = c + a*W + b*N + d*K over that model's recent prefills:
+thousands cached) reads the whole cache for few queries, bound by memory; with one rate
+the many short turns set it, and a long prompt's prediction errs by half. The time is
+fit per model as t = c + a*W + b*N + d*K, d >= b, over that model's recent prefills:
 - on relative errors, so a 1-token prefill and a 32K one count alike; the fixed cost c
   explains what a few-token prefill takes, so such a prefill cannot set the FLOP rates;
 - robustly: each point's weight falls with its distance from the fit in log time
@@ -168,11 +168,15 @@ def _box_least_squares(design: np.ndarray, target: np.ndarray, lower: np.ndarray
 def fit(shape: Shape, points, prior_rate: float,
         bounds: Optional[tuple[float, float]] = None) -> Law:
     """The robust, prior-anchored fit of t = c + a*W + b*N + d*K described in the module
-    docstring. `points`: (tokens, cached, seconds), oldest first; `bounds`: for the
-    weights' rate (the attentions' get `ATTENTION_SLACK` more room each way)."""
+    docstring, with d = b + e, e >= 0: attention over a cache costs at least what the
+    new tokens' attention among themselves does per FLOP, and the points show how much
+    more (without them, none). `points`: (tokens, cached, seconds), oldest first;
+    `bounds`: for the weights' rate (attention's gets `ATTENTION_SLACK` more room each
+    way)."""
     prior = [(tokens, cached, prior_rate * sum(shape.flops(tokens, cached)))
              for tokens, cached in _PRIOR_PREFILLS]
-    rows = np.array([(1.0, *shape.flops(t, c)) for t, c, _ in [*points, *prior]])
+    rows = np.array([(1.0, w, own + over_cache, over_cache) for w, own, over_cache in
+                     (shape.flops(t, c) for t, c, _ in [*points, *prior])])
     times = np.array([s for _, _, s in [*points, *prior]], dtype=np.float64)
     ages = np.arange(len(points))[::-1]
     long = sum(tokens >= LONG for tokens, _, _ in points)
@@ -186,12 +190,12 @@ def fit(shape: Shape, points, prior_rate: float,
     short = [seconds for tokens, _, seconds in points if tokens < LONG]
     upper[0] = float(np.median(short)) if short else prior_rate * sum(shape.flops(LONG, 0))
     if bounds is not None:
-        lower[1:] = bounds[0], bounds[0] / ATTENTION_SLACK, bounds[0] / ATTENTION_SLACK
+        lower[1:3] = bounds[0], bounds[0] / ATTENTION_SLACK
         upper[1:] = bounds[1], bounds[1] * ATTENTION_SLACK, bounds[1] * ATTENTION_SLACK
     if not rows[:, 2].any():  # no attention width known: its rates are moot
         upper[2:] = lower[2:] = 0.0
     weights = base.copy()
-    x = np.array([0.0, prior_rate, prior_rate, prior_rate])
+    x = np.array([0.0, prior_rate, prior_rate, 0.0])
     for _ in range(6):
         root = np.sqrt(weights)[:, None]
         solved = _box_least_squares(scaled * root, root[:, 0], lower * scale, upper * scale)
@@ -201,7 +205,7 @@ def fit(shape: Shape, points, prior_rate: float,
         predicted = np.maximum(rows @ x, 1e-12)
         distance = np.abs(np.log(predicted / times))
         weights = base * np.minimum(1.0, HUBER / np.maximum(distance, 1e-12))
-    return Law(*(float(v) for v in x))
+    return Law(float(x[0]), float(x[1]), float(x[2]), float(x[2] + x[3]))
 
 
 @dataclass
