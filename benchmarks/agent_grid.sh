@@ -23,6 +23,7 @@ for cell in "$@"; do
   python3 agent.py --target-shape qwen3-8b --tokens 32000 --steps 6 --sessions 1 \
     --reply-tokens "$reply" --tool-seconds "$tool" --keep "$keep" --methods "${methods[@]}" \
     --json "$out/$name.json" > "/tmp/$name.log" 2>&1
-  rm -rf "$out/costs" && cp -r "${SPECPREFILL_CACHE_DIR:-$HOME/.cache/specprefill-engine}/costs" "$out/costs"
+  costs="${SPECPREFILL_CACHE_DIR:-$HOME/.cache/specprefill-engine}/costs"
+  rm -rf "$out/costs" && if [ -d "$costs" ]; then cp -r "$costs" "$out/costs"; fi
   echo "$cell done $(date +%T)"
 done

@@ -7,9 +7,10 @@ K = 4 * layers * heads * head_dim * L*C in attention over the cached entries, pl
 fixed cost per call (kernel launches, sampling, the scoring step's lookahead and
 importance). The two attentions run at different rates per FLOP: a prompt's own tokens
 attend in large blocks, while an agent's next turn (a few hundred tokens after tens of
-thousands cached) reads the whole cache for few queries, bound by memory; with one rate
-the many short turns set it, and a long prompt's prediction errs by half. The time is
-fit per model as t = c + a*W + b*N + d*K, d >= b, over that model's recent prefills:
+thousands cached) reads the whole cache for few queries, bound by memory; with a rate
+each, many short turns over a long cache cannot set the rate of a long prompt's own
+attention. The time is fit per model as t = c + a*W + b*N + d*K, d >= b, over that
+model's recent prefills:
 - on relative errors, so a 1-token prefill and a 32K one count alike; the fixed cost c
   explains what a few-token prefill takes, so such a prefill cannot set the FLOP rates;
 - robustly: each point's weight falls with its distance from the fit in log time
@@ -146,23 +147,30 @@ def _box_least_squares(design: np.ndarray, target: np.ndarray, lower: np.ndarray
                        upper: np.ndarray) -> Optional[np.ndarray]:
     """argmin |design x - target|^2 with lower <= x <= upper, for a few unknowns: the
     optimum has each unknown free or at one of its bounds, so every such case is solved
-    (at once, on the normal equations) and the best feasible one kept."""
+    (at once, on the normal equations of unit-norm columns) and the best feasible one
+    kept."""
     n = design.shape[1]
-    gram, moment = design.T @ design, design.T @ target
+    norms = np.linalg.norm(design, axis=0)
+    norms[norms == 0] = 1.0
+    unit = design / norms
+    low, high = lower * norms, upper * norms  # the bounds of y = x * norms
+    gram, moment = unit.T @ unit, unit.T @ target
     cases = np.array(list(itertools.product((0, 1, 2), repeat=n)))  # free, lower, upper
     free = cases == 0
-    ends = np.stack([np.zeros(n), lower, upper])[cases, np.arange(n)]
-    usable = np.all(np.isfinite(ends), axis=1) & ~np.any((cases == 2) & (lower == upper), axis=1)
+    ends = np.stack([np.zeros(n), low, high])[cases, np.arange(n)]
+    usable = np.all(np.isfinite(ends), axis=1) & ~np.any((cases == 2) & (low == high), axis=1)
     ends = np.where(np.isfinite(ends), ends, 0.0)
-    # a free unknown's row is its normal equation; a held one's says x_i = its bound
+    # a free unknown's row is its normal equation; a held one's says y_i = its bound
     system = np.where(free[:, :, None], gram, np.eye(n))
-    x = np.einsum("kij,kj->ki", np.linalg.pinv(system), np.where(free, moment, ends))
-    feasible = usable & np.all(x >= lower - 1e-12, axis=1) & \
-        np.all(x <= upper * (1 + 1e-9) + 1e-300, axis=1)
+    y = np.einsum("kij,kj->ki", np.linalg.pinv(system), np.where(free, moment, ends))
+    y = np.where(free, y, ends)
+    feasible = usable & np.all(y >= low - 1e-12 * (1 + np.abs(low)), axis=1) & \
+        np.all(y <= high + 1e-9 * (1 + np.abs(high)), axis=1)
     if not feasible.any():
         return None
-    cost = np.einsum("ki,ij,kj->k", x, gram, x) - 2 * x @ moment
-    return np.clip(x[np.flatnonzero(feasible)[np.argmin(cost[feasible])]], lower, upper)
+    cost = np.sum((y @ unit.T - target) ** 2, axis=1)
+    best = y[np.flatnonzero(feasible)[np.argmin(cost[feasible])]]
+    return np.clip(best / norms, lower, upper)
 
 
 def fit(shape: Shape, points, prior_rate: float,
@@ -170,9 +178,9 @@ def fit(shape: Shape, points, prior_rate: float,
     """The robust, prior-anchored fit of t = c + a*W + b*N + d*K described in the module
     docstring, with d = b + e, e >= 0: attention over a cache costs at least what the
     new tokens' attention among themselves does per FLOP, and the points show how much
-    more (without them, none). `points`: (tokens, cached, seconds), oldest first;
-    `bounds`: for the weights' rate (attention's gets `ATTENTION_SLACK` more room each
-    way)."""
+    more (without them, the prior). `points`: (tokens, cached, seconds), oldest first;
+    `bounds`: for the weights' rate (b gets `ATTENTION_SLACK` more room each way, and e
+    up to that upper bound again)."""
     prior = [(tokens, cached, prior_rate * sum(shape.flops(tokens, cached)))
              for tokens, cached in _PRIOR_PREFILLS]
     rows = np.array([(1.0, w, own + over_cache, over_cache) for w, own, over_cache in
