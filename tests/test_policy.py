@@ -37,9 +37,11 @@ def test_the_cost_fit_recovers_a_weights_plus_attention_law():
     assert predict(costs, 32768, 32000, 0, 3277).gain < 1
 
 
-def test_an_agents_short_turns_do_not_set_what_a_long_prompt_costs():
-    """A few new tokens over a long cache attend at their own rate per FLOP (bound by
-    memory), not a long prompt's: many such turns leave its prediction where measured."""
+def _agent_history(long_prompts: dict):
+    """An 8B-shaped target's cost model after 60 turns: `long_prompts` maps a turn's
+    index mod 12 to its (tokens, cached), the rest are 500-token turns over a 32K cache;
+    timed by a law whose attention over the cache costs 8x its attention among new
+    tokens per FLOP (memory-bound reads, as on a GPU)."""
     target, draft = Shape(7_000_000_000, 36 * 32 * 128), Shape(440_000_000, 28 * 16 * 128)
     costs = CostModel(target, draft, warm={"target", "draft"})
 
@@ -47,13 +49,26 @@ def test_an_agents_short_turns_do_not_set_what_a_long_prompt_costs():
         weights, own, over_cache = target.flops(tokens, cached)
         return 0.01 + 2e-15 * weights + 1e-15 * own + 8e-15 * over_cache
 
-    for turn in range(60):  # long prompts now and then, short next turns in between
-        tokens, cached = {0: (32000, 0), 6: (8000, 0)}.get(turn % 12,
-                                                         (500, 32000 + 500 * (turn % 6)))
+    for turn in range(60):
+        tokens, cached = long_prompts.get(turn % 12, (500, 32000 + 500 * (turn % 6)))
         costs.observe("target", tokens, cached, seconds(tokens, cached))
+    return costs, seconds
+
+
+def test_an_agents_short_turns_do_not_set_what_a_long_prompt_costs():
+    """A few new tokens over a long cache attend at their own rate per FLOP, not a long
+    prompt's: many such turns leave its prediction where measured."""
+    costs, seconds = _agent_history({0: (32000, 0), 6: (8000, 0)})
     assert costs.predict("target", 32000) == pytest.approx(seconds(32000, 0), rel=0.05)
     assert costs.predict("target", 16000) == pytest.approx(seconds(16000, 0), rel=0.05)
     assert costs.predict("target", 500, 36000) == pytest.approx(seconds(500, 36000), rel=0.05)
+
+
+def test_a_prompt_longer_than_any_seen_keeps_its_quadratic_attention():
+    """Prompts of one length leave the weights' and attention's rates apart unknown; the
+    attention's floor keeps a prompt twice as long from being priced at twice the cost."""
+    costs, seconds = _agent_history({0: (32000, 0)})
+    assert costs.predict("target", 65536) == pytest.approx(seconds(65536, 0), rel=0.15)
 
 
 def test_before_any_prefill_the_flop_ratio_decides():
