@@ -193,6 +193,13 @@ def test_a_conversations_debt_declines_a_saving_smaller_than_its_chain_and_persi
     loaded.load()
     assert list(loaded.followup) == list(costs.followup)
     assert list(loaded.sparse) == list(costs.sparse)
+    # a saved follow-up of no stored turn (a hand-edited file) counts for nothing
+    saved = json.loads(costs.path.read_text())
+    saved["followup"]["points"] = [[500, 0, 1.0, time.time()]]
+    costs.path.write_text(json.dumps(saved))
+    edited = CostModel(target, draft, path=costs.path)
+    edited.load()
+    assert predict(edited, 32768, 0, 0, 3277).debt_s == 0
 
 
 def test_a_turn_after_a_stored_specprefill_turn_is_measured_as_its_follow_up(

@@ -271,8 +271,7 @@ class CostModel:
     def observe_followup(self, tokens: int, cached: int, seconds: float) -> None:
         """A turn that continued a stored SpecPrefill turn of `cached` tokens with `tokens`
         more: its prefill and scoring took `seconds`."""
-        if cached > 0:
-            _record(self.followup, tokens, cached, seconds)
+        _record(self.followup, tokens, cached, seconds)
 
     def observe_sparse(self, tokens: int, follows: int, seconds: float) -> None:
         """A SpecPrefill turn of `tokens` whose cache is kept; `follows`: the length of the
@@ -295,10 +294,10 @@ class CostModel:
         """What engaging on a prompt of `tokens` is expected to cost the conversation's
         later turns: the median extra seconds a follow-up paid per token of the turn it
         followed, times `tokens`, times the follow-ups of a chain (0 before any)."""
-        if not self.followup or not self.measured():
-            return 0.0
         extra = [max(seconds - self.predict("target", new, cached), 0.0) / cached
-                 for new, cached, seconds, _ in self.followup]
+                 for new, cached, seconds, _ in self.followup if cached > 0]
+        if not extra or not self.measured():  # a follow-up of no stored turn says nothing
+            return 0.0
         return tokens * float(np.median(extra)) * self.chain()
 
     def _rate(self, which: str) -> Optional[float]:
