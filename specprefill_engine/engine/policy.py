@@ -20,8 +20,8 @@ model's recent prefills:
   longer prefills, else the other model's, else any (then only the FLOP ratio decides),
   and no fixed cost; it decides what the points leave open (a model seen at one length)
   and fades as long prefills are measured; attention's rate never below a quarter of
-  that prior (`ATTENTION_SLACK`), so points of few lengths cannot price a longer
-  prompt's quadratic attention at nothing;
+  that prior (`ATTENTION_SLACK`; of the lower bound below, for the model it bounds), so
+  points of few lengths cannot price a longer prompt's quadratic attention at nothing;
 - with each rate bounded by the other model's measured one: per FLOP, the smaller
   model is between `RATE_BOUNDS` times the larger's (small models use a device less
   well, never a thousand times less).
@@ -199,9 +199,10 @@ def fit(shape: Shape, points, prior_rate: float,
     # else what a short one would take at the prior rate
     short = [seconds for tokens, _, seconds in points if tokens < LONG]
     upper[0] = float(np.median(short)) if short else prior_rate * sum(shape.flops(LONG, 0))
-    lower[2] = prior_rate / ATTENTION_SLACK  # the prior is within `bounds`, so is this
-    if bounds is not None:
-        lower[1] = bounds[0]
+    lower[2] = prior_rate / ATTENTION_SLACK
+    if bounds is not None:  # fewer long prefills than the other model: its prior may be
+        # one bad point's, so the other's rate sets the floors
+        lower[1:3] = bounds[0], bounds[0] / ATTENTION_SLACK
         upper[1:] = bounds[1], bounds[1] * ATTENTION_SLACK, bounds[1] * ATTENTION_SLACK
     if not rows[:, 2].any():  # no attention width known: its rates are moot
         upper[2:] = lower[2:] = 0.0
