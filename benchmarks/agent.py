@@ -43,6 +43,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.utils import load_tokenizer
 
 from specprefill_engine import Engine
+from specprefill_engine.core.matching import MATCH_WEIGHT
 from specprefill_engine.demo_tasks import make_agent_session
 from specprefill_engine.engine.policy import shape_of
 from specprefill_engine.loading import DEMO_DRAFT, DEMO_TARGET, load_model
@@ -163,7 +164,8 @@ def run(args) -> list:
                 mx.clear_cache()
             else:
                 settings = {"keep": args.keep, "reuse_coverage": args.coverage,
-                            "step_size": args.step_size, **caches}
+                            "step_size": args.step_size, "match_weight": args.match_weight,
+                            **caches}
                 if name == "engine default":
                     settings = {}
                 with Engine(model=args.target, draft=args.draft, **settings,
@@ -227,6 +229,8 @@ def main():
                         help="replies end at EOS (default: every reply is --reply-tokens long)")
     parser.add_argument("--keep", type=float, default=0.3)
     parser.add_argument("--coverage", type=float, default=0.9, help="the reuse gate")
+    parser.add_argument("--match-weight", type=float, default=MATCH_WEIGHT,
+                        help="the engine rows' `match_weight` (but the default row's)")
     parser.add_argument("--step-size", type=int, help="prefill unit (default: the device's)")
     parser.add_argument("--cache-gb", type=float,
                         help="each prefix cache's budget (default: the engine's)")

@@ -46,8 +46,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from specprefill_engine import code_tasks, gguf, prose_tasks
 from specprefill_engine.benchmarking import dense_answer, random_selection, sparse_answer
 from specprefill_engine.core import score_tokens, select_chunks
+from specprefill_engine.core.matching import MATCH_WEIGHT, question_match, with_matches
+from specprefill_engine.core.scoring import N_WINDOW
 from specprefill_engine.core.sparse_prefill import cover_sliding_window
 from specprefill_engine.engine.vouch import needed_keep
+from specprefill_engine.engine.words import TokenWords
 from specprefill_engine.loading import check_same_tokenizer, default_dtype
 from specprefill_engine.prose_tasks import is_right, words
 
@@ -97,9 +100,10 @@ def coverage(kept: np.ndarray, spans) -> float:
     return float(np.isin(needed, kept).mean()) if needed.size else 1.0
 
 
-def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng) -> dict:
-    """Dense, then each scorer's selection at each keep; the random control takes the
-    first scorer's kept count."""
+def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng,
+             match: np.ndarray, match_weight: float) -> dict:
+    """Dense, then each scorer's selection at each keep (the question's `match`es added
+    as the engine adds them); the random control takes the first scorer's kept count."""
     eos = set(tokenizer.eos_token_ids)
     probe = make_prompt_cache(model)
 
@@ -115,7 +119,8 @@ def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng) 
     row = {"dense": grade(dense, dense), "dense_text": dense}
     for scorer, draft in draft_models.items():
         started = time.perf_counter()
-        importance = score_tokens(draft, case.ids, step_size=step)
+        importance = with_matches(np.array(score_tokens(draft, case.ids, step_size=step)),
+                                  match, match_weight)
         row[f"{scorer}_scoring_s"] = round(time.perf_counter() - started, 2)
         if answer_spans(case):
             row[f"{scorer}_needs"] = needed_keep(np.array(importance), answer_spans(case),
@@ -160,6 +165,7 @@ def run(args) -> None:
         if separate is not None:
             check_same_tokenizer(tokenizer, draft_tokenizer)
         drafts = {scorer: scorers[scorer]() for scorer in args.scorers}
+        words = TokenWords(tokenizer)
         # cells in the order asked, seeds round-robin, so a cut-short run has even cells
         for seed in range(args.n):
             for length in args.lengths:
@@ -172,8 +178,11 @@ def run(args) -> None:
                     case = make_case(tokenizer, kind, length, seed)
                     begun = time.perf_counter()
                     rng = random.Random(f"{name}:{kind}:{length}:{seed}")  # the control's chunks
-                    row = run_case(model, drafts, tokenizer, case, args.keeps, args.step, rng)
+                    match = question_match(*words(case.ids), min(N_WINDOW, len(case.ids)))
+                    row = run_case(model, drafts, tokenizer, case, args.keeps, args.step, rng,
+                                   match, args.match_weight)
                     row = {"model": name, "kind": kind, "length": length, "seed": seed,
+                           "match_weight": args.match_weight,
                            "tokens": len(case.ids), "draft_layers": count, "device": device,
                            **({"draft_model": args.draft} if separate is not None else {}),
                            "seconds": round(time.perf_counter() - begun, 1), **row}
@@ -339,6 +348,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
     parser.add_argument("--n", type=int, default=20, help="cases per (model, kind, length)")
     parser.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.2, 0.3])
+    parser.add_argument("--match-weight", type=float, default=MATCH_WEIGHT,
+                        help="the question's matches, as the engine's `match_weight` (0: off)")
     parser.add_argument("--draft-layers", type=float, default=0.4,
                         help="the draft-free scorer's depth, a share of the model's layers")
     parser.add_argument("--step", type=int, default=512 if mx.default_device() == mx.cpu else 4096,

@@ -14,10 +14,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from specprefill_engine import Engine
 from specprefill_engine.core import DraftScorer, cleanup_rope, select_chunks, sparse_prefill
+from specprefill_engine.core.matching import question_match, with_matches
 from specprefill_engine.core.scoring import default_draft_step_size
 from specprefill_engine.core.sparse_prefill import cover_sliding_window
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.engine.runtime import default_step_size
+from specprefill_engine.engine.words import TokenWords
 from models import ROPE_CASES, save_with_demo_tokenizer
 from specprefill_server import ServerConfig
 from test_server import KEY, Served
@@ -95,8 +97,9 @@ def test_dense_logprobs_are_log_softmax_of_the_models_logits_before_sampling(ser
 
 
 def test_specprefill_logprobs_are_log_softmax_of_the_sparse_forwards_logits(served, demo_pair):
-    """The reference repeats the engine's selection (its digest proves it) and prefills
-    the kept tokens at their positions, then feeds the reply."""
+    """The reference repeats the engine's selection, the question's matches added (its
+    digest proves it), and prefills the kept tokens at their positions, then feeds the
+    reply."""
     engine, (model, draft, tokenizer) = served.engine, demo_pair
     ids = prompt_ids(tokenizer, 7, 1500)
     result = engine.generate_sync(ids, max_tokens=10, logprobs=5, specprefill=True, keep=0.3,
@@ -105,6 +108,8 @@ def test_specprefill_logprobs_are_log_softmax_of_the_sparse_forwards_logits(serv
     config = engine.config
     importance = DraftScorer(draft, config.n_lookahead, config.pool_kernel,
                              default_draft_step_size()).score(mx.array(ids))
+    match = question_match(*TokenWords(tokenizer)(ids), config.n_window)
+    importance = with_matches(np.array(importance), match, config.match_weight)
     kept = np.asarray(select_chunks(importance, 0.3, config.chunk_size, config.backbone_pct,
                                     config.tail_tokens), np.int64)
     kept = cover_sliding_window(kept, make_prompt_cache(model), len(ids))

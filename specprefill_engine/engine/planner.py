@@ -30,6 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import UnsupportedModelError, select_chunks
 from ..core.adapters import check_sparse_prefill_supported, sliding_window
+from ..core.matching import question_match, with_matches
 from ..core.prefill import chunk_cost, chunk_plan, prefill_weight
 from ..core.scoring import check_score_arguments, score_plan
 from ..core.sparse_prefill import cover_sliding_window
@@ -305,6 +306,9 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
     config, report, tokens = runtime.config, state.report, state.tokens
     length = tokens.size
     target = caches.target
+    if config.match_weight:
+        importance = with_matches(importance, question_match(
+            *runtime.words(tokens), min(config.n_window, length)), config.match_weight)
     dense_hit = target.find(tokens, dense_only=True) if target is not None else None
     must_keep = state.protected
     if dense_hit is not None:

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .._blas import blas_status
 from ..core import DraftScorer, Scorer
+from ..core.matching import MATCH_WEIGHT
 from ..core.prefill import STEP_SIZE
 from ..core.scoring import N_LOOKAHEAD, N_WINDOW, POOL_KERNEL, default_draft_step_size
 from ..core.selection import BACKBONE, CHUNK_SIZE, KEEP, SPREAD, TAIL_TOKENS
@@ -26,6 +27,7 @@ from .kv_store import checkpointed
 from .policy import CostModel, cost_model
 from .speculative import speculative_support
 from .vouch import DraftCheck, DraftVerdict
+from .words import TokenWords
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,9 @@ class EngineConfig:
     n_window: int = N_WINDOW
     pool_kernel: int = POOL_KERNEL
     spread: int = SPREAD  # tokens after an important one whose chunks rank with it
+    # the question's words found earlier in the prompt rank with the draft's top (x this;
+    # `core/matching.py`); 0: the draft's attention alone
+    match_weight: float = MATCH_WEIGHT
     step_size: Optional[int] = None
     draft_step_size: Optional[int] = None
     prefix_cache_bytes: int = 8 << 30  # kept only whole: an 8B model's KV at 32K is ~4.5 GiB
@@ -102,6 +107,10 @@ class EngineConfig:
 
     def __post_init__(self):
         check_keep(self.keep)
+        if isinstance(self.match_weight, bool) or not isinstance(self.match_weight, (int, float)) \
+                or not math.isfinite(self.match_weight) or self.match_weight < 0:
+            raise ValueError(f"match_weight must be a number >= 0 (0: off), got "
+                             f"{self.match_weight!r}")
         if not 0 <= self.specprefill_margin:
             raise ValueError(f"specprefill_margin must be >= 0, got {self.specprefill_margin!r}")
         if not 0 <= self.reuse_coverage <= 1:
@@ -157,6 +166,7 @@ class Runtime:
     identities: tuple = ("", "")  # target's and draft's `model_identity`; "": no disk tier
     vouch: Optional[DraftCheck] = None  # what the engine knows of its draft; None: no draft
     speculative_reason: str = ""  # why the pair cannot decode speculatively; "": it can
+    words: Optional[TokenWords] = None  # the tokens' words, for the question's matches
 
 
 @dataclass(frozen=True)
@@ -327,4 +337,5 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
                    kv_bytes, vocab_size_of(model, tokenizer), costs,
                    checkpointed=checkpointed(model), group=group,
                    channel=channel, identities=identities, vouch=vouch,
-                   speculative_reason=refused)
+                   speculative_reason=refused,
+                   words=TokenWords(tokenizer) if draft is not None else None)

@@ -26,6 +26,11 @@ from the longest file down until one gives a verdict: a draft is judged at the l
 file its target's own attention reads (a 1.5B coder at 2,048 tokens; a tiny demo model only at
 768), since the distractors are what separates a weak draft from its target.
 
+The probe judges the draft's attention alone, without the selection's matches of the
+question's words (`core/matching.py`): its questions name what they ask for, which the
+matches find whatever the draft (a random draft would pass), while the prompts a user
+sends ask for much that no word of theirs names.
+
 The questions share their file, so each model prefills it once and then only each
 question. The measurement is persisted per (target, draft, scoring and selection
 settings) in `cache_dir()/draft-checks`, keyed by both models' identity (their files and

@@ -1,0 +1,72 @@
+"""Where the question's own words occur earlier in the prompt.
+
+A small draft's attention finds a passage by meaning; it often misses one named only by
+an identifier (a function's name among dozens like it, a key among similar keys),
+where the target, reading the whole prompt, would find it. So the selection also ranks
+by exact matches: every run of 2-4 tokens in the prompt's last `window` tokens (the
+question) that occurs before them marks each earlier occurrence, weighted by how rare
+it is there (1 / its count: a run repeated everywhere points nowhere). A run counts
+only with at least two word tokens and no control token (the chat template's markers
+repeat at every turn). Tokens compare by `keys`: one integer per token, equal for
+tokens that are the same word with other spacing or case (" group" and "group"),
+negative for control tokens. The engine adds the matches where `match_weight` asks.
+"""
+
+import numpy as np
+
+RUNS = (2, 3, 4)  # lengths of the question's token runs looked for
+# off by default: on the real pair's agent loop the draft's selection with the matches
+# held fewer of dense's answers than without (docs/benchmarks.md, "The question's words")
+MATCH_WEIGHT = 0.0
+
+
+def question_match(keys: np.ndarray, words: np.ndarray, window: int,
+                   runs: tuple = RUNS) -> np.ndarray:
+    """Per token, in [0, 1]: the highest 1 / count of a question run it is part of (0
+    where none), over the tokens before the last `window`; those get 0.
+
+    keys: int per token, equal for the same word, negative for a control token (no run
+    holding one counts); words: bool per token, True where it holds a letter or digit."""
+    keys = np.asarray(keys, dtype=np.int64)
+    words = np.asarray(words, dtype=bool)
+    if keys.shape != words.shape or keys.ndim != 1:
+        raise ValueError(f"keys and words must be 1-D of one length, got {keys.shape} and "
+                         f"{words.shape}")
+    length = keys.size
+    body = length - window
+    match = np.zeros(length, dtype=np.float32)
+    if window < 1 or body < 1:
+        return match
+    control = keys < 0
+    for size in runs:
+        starts = np.arange(length - size + 1)
+        if starts.size == 0:
+            continue
+        code = np.zeros(starts.size, dtype=np.int64)
+        count = np.zeros(starts.size, dtype=np.int64)
+        bad = np.zeros(starts.size, dtype=bool)
+        for offset in range(size):  # a run as one integer (wrapping: collisions negligible)
+            code = code * np.int64(1_000_003) + keys[starts + offset]
+            count += words[starts + offset]
+            bad |= control[starts + offset]
+        usable = ~bad & (count >= 2)
+        asked = np.unique(code[usable & (starts >= body)])
+        earlier = usable & (starts + size <= body)
+        codes, first = code[earlier], starts[earlier]
+        found = np.isin(codes, asked)
+        if not found.any():
+            continue
+        _, inverse, counts = np.unique(codes, return_inverse=True, return_counts=True)
+        weight = (1.0 / counts[inverse])[found].astype(np.float32)
+        for offset in range(size):
+            np.maximum.at(match, first[found] + offset, weight)
+    return match
+
+
+def with_matches(importance: np.ndarray, match: np.ndarray, weight: float) -> np.ndarray:
+    """The draft's importance scaled to a maximum of 1, plus `weight` x the matches: at
+    weight 1 a run found once ranks with the draft's most important token."""
+    importance = np.asarray(importance, dtype=np.float32)
+    top = float(importance.max()) if importance.size else 0.0
+    scaled = importance / top if top > 0 else importance
+    return scaled + np.float32(weight) * match
