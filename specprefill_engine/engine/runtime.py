@@ -166,7 +166,7 @@ class Runtime:
     identities: tuple = ("", "")  # target's and draft's `model_identity`; "": no disk tier
     vouch: Optional[DraftCheck] = None  # what the engine knows of its draft; None: no draft
     speculative_reason: str = ""  # why the pair cannot decode speculatively; "": it can
-    words: Optional[TokenWords] = None  # the tokens' words, for the question's matches
+    words: Optional[TokenWords] = None  # the tokens' words, where the selection matches them
 
 
 @dataclass(frozen=True)
@@ -338,4 +338,5 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
                    checkpointed=checkpointed(model), group=group,
                    channel=channel, identities=identities, vouch=vouch,
                    speculative_reason=refused,
-                   words=TokenWords(tokenizer) if draft is not None else None)
+                   words=TokenWords(tokenizer) if draft is not None and config.match_weight
+                   else None)
