@@ -146,18 +146,3 @@ async def test_a_schema_that_cannot_compile_is_refused_at_the_call(engine, alone
     with pytest.raises(ValueError, match="response_format"):
         await engine.generate(**request, response_format=response_format)
     assert (await engine.generate(**request)).token_ids == alone[0]
-
-
-async def test_keep_is_honoured_when_a_stored_selection_is_reused(fresh_cache_dir):
-    async with Engine(densify="off") as engine:  # a densified prefix would be kept whole
-        messages = make_case(engine.tokenizer, 90, "passkey", 1600).messages
-        first = await engine.generate(messages, max_tokens=4, specprefill=True, keep=0.3)
-        second = await engine.generate(messages, max_tokens=4, specprefill=True, keep=0.6)
-        again = await engine.generate(messages, max_tokens=4, specprefill=True, keep=0.3)
-    with Engine() as fresh:
-        expected = fresh.generate_sync(messages, max_tokens=4, specprefill=True, keep=0.6)
-    assert first.specprefill.kept_tokens < second.specprefill.kept_tokens
-    assert second.specprefill.kept_tokens == expected.specprefill.kept_tokens
-    # the keep-0.3 view lacks what keep 0.6 selects: repaired up to it
-    assert "repaired: +" in second.specprefill.reuse, second.specprefill.reuse
-    assert again.specprefill.reuse.startswith("sparse prefix"), again.specprefill.reuse

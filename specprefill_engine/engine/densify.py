@@ -50,6 +50,7 @@ class Job:
     handle: int
     tokens: np.ndarray
     replaces: Optional[int] = None  # the sparse entry's key
+    prompt: int = 0  # the turn's prompt length, its reply after it
     feed: Optional[Feed] = None  # once started: after a dense prefix, the rest
     stored: int = 0  # tokens kept as a dense entry so far
     failed: bool = False
@@ -76,4 +77,4 @@ def store(job: Job) -> Optional[Store]:
     if job.done <= job.stored:
         return None
     job.stored = job.done
-    return Store(job.handle, job.tokens[: job.done], densified=True)
+    return Store(job.handle, job.tokens[: job.done], densified=True, prompt=job.prompt)

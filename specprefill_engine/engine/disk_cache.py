@@ -212,6 +212,7 @@ def _tensors(entry: Entry, held: Held, bits: int) -> tuple[list, dict]:
         checkpoints[str(length)] = {"fed": snap.fed, "layers": states}
         tensors += list(arrays.items())
     meta = {"layers": layers, "checkpoints": checkpoints, "keep": entry.keep,
+            "prompt": entry.prompt,
             "densified": entry.densified, "nbytes": held.nbytes}
     return tensors, meta
 
@@ -587,7 +588,8 @@ class DiskTier:
         checkpoints = tuple(sorted(int(length) for length in meta["checkpoints"]))
         return Entry(tokens, positions, "state" not in meta["layers"], checkpoints,
                      nbytes=int(meta["nbytes"]), keep=float(meta["keep"]),
-                     densified=bool(meta["densified"]), disk=path.name)
+                     densified=bool(meta["densified"]), disk=path.name,
+                     prompt=int(meta.get("prompt", 0)))
 
     def _broken(self, path: Path, error: BaseException) -> None:
         logger.warning("prefix cache on disk: %s is broken (%s); ignored and removed",

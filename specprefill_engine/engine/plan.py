@@ -40,6 +40,7 @@ class Store:
     key: int = -1
     into: bool = False
     absorbs: list = field(default_factory=list)
+    prompt: int = 0  # the length of the turn's prompt, its reply after it (0: all prompt)
 
 
 @dataclass

@@ -7,17 +7,21 @@ capturing chunk, the lookahead steps, the reduction) and `prefill` (a `Feed`: a 
 entry to restore and how many of its entries, the tokens to compute after them at
 their true positions, in chunks).
 
-Across an agent's turns (see docs/how-it-works.md, "Agent turns"):
-- the draft's prompt KV is kept, so scoring a grown prompt prefills only its new
-  tokens through the draft (importance still covers every token);
-- selection always runs over the whole prompt, on an absolute chunk grid, with the
-  chat template's protected tokens; a dense prefix-cache hit is reused only up to the
-  first token the selection drops, so the kept set is that of a fresh engine (and the
-  KV too, up to float rounding: continuing from a prefix ends chunks elsewhere);
-- a stored SpecPrefill cache (kept prompt entries and reply, with their positions) is
-  reused for the shared prefix when its selection kept at least this request's `keep`
-  and the new importance says it still covers what matters there (`reuse_coverage`);
-  otherwise the prompt is selected anew.
+A selection is a function of the prompt (see docs/how-it-works.md, "Agent turns"):
+- importance comes from the draft's attention; the draft's prompt KV is kept, and a
+  scoring restores it only at a point of its chunk grid, so the chunks, and the
+  importance, are a fresh draft's;
+- selection runs over the whole prompt, on an absolute chunk grid, with the chat
+  template's protected tokens; nothing cached changes it;
+- a cached entry, dense or sparse, is restored up to the first position where its kept
+  entries depart from the selection: caches make a prefill shorter, never different.
+Two documented reuses, each named in the report: the same request again follows its
+first decision (`decisions.py`), and a conversation's next turn, a prompt that holds a
+stored SpecPrefill turn whole (prompt and reply) and goes on, extends that turn's view:
+as it is where it kept at least this request's `keep` and covers `reuse_coverage` of
+the top of the new importance, else with the passages the new selection wants added at
+their true positions (a hybrid or sliding-window cache cannot take them out of order:
+the prompt is selected anew there).
 """
 
 import hashlib
@@ -25,6 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -32,8 +37,9 @@ from ..core import UnsupportedModelError, select_chunks
 from ..core.adapters import check_sparse_prefill_supported, sliding_window
 from ..core.matching import question_match, with_matches
 from ..core.prefill import chunk_cost, chunk_plan, prefill_weight
-from ..core.scoring import check_score_arguments, score_plan
+from ..core.scoring import capture_start, check_score_arguments, score_plan
 from ..core.sparse_prefill import cover_sliding_window
+from .decisions import DENSE, request_key
 from .kv_store import checkpointed
 from .plan import Feed, Restore, ScoreUnit, Store
 from .policy import RECHECK_GAIN, expected_kept, predict, shapes_gain
@@ -43,7 +49,7 @@ from .sampling import RowSampler
 from .state import RequestState, Scoring, Status
 
 logger = logging.getLogger(__name__)
-REPLY_TOKENS = 512  # the most reply tokens a reuse decision counts decode for
+REPAIR_SLOWDOWN_CUDA = 5.8  # a masked forward against a causal one, per token, measured
 FOLLOW_SLACK = 16  # tokens at a stored turn's end a next turn's template may render otherwise
 
 
@@ -87,10 +93,12 @@ def not_vouched(state: RequestState, runtime: Runtime) -> str:
 
 
 def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches,
-           dense_hit: Optional[Hit]) -> tuple[bool, str]:
+           dense_hit: Optional[Hit], continues: bool) -> tuple[bool, str]:
     """The request's choice, unless too little is left after `dense_hit`, a cached
-    prefix; else the automatic policy: the threshold as a floor, then engage only where
-    the predicted gain beats the margin and the draft is vouched for (`not_vouched`)."""
+    prefix, for the automatic policy or a conversation's next turn (`continues`); else
+    the automatic policy: the threshold as a floor, then engage only where the predicted
+    gain beats the margin and the draft is vouched for (`not_vouched`). A request that
+    asks for SpecPrefill and continues no turn is selected whatever is cached."""
     if state.specprefill is False:
         return False, "disabled for this request"
     if runtime.scorer is None:
@@ -99,7 +107,8 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches,
     floor = config.chunk_size + config.tail_tokens
     if state.specprefill is None or (dense_hit is not None and dense_hit.entry.densified):
         floor = max(floor, state.threshold)  # a densified prefix: a turn as dense would run it
-    if dense_hit is not None and length - dense_hit.cut < floor:  # not worth the draft
+    if dense_hit is not None and (continues or state.specprefill is None) \
+            and length - dense_hit.cut < floor:  # not worth the draft
         return False, (f"only {length - dense_hit.cut} tokens to prefill after a cached "
                        f"prefix of {dense_hit.cut}: too few to sparsify (< {floor}); "
                        "dense, not scored")
@@ -177,8 +186,9 @@ def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixC
     check_score_arguments(length, scorer.n_lookahead, scorer.n_window, scorer.step_size)
     hit = draft.find(state.tokens) if draft is not None else None
     cut = 0
-    if hit is not None:  # the captured window must be fed anew
-        cut = hit.entry.restorable(min(hit.cut, length - scorer.n_window))
+    if hit is not None:
+        cut = hit.entry.restorable(on_draft_grid(hit, length, scorer.step_size,
+                                                 scorer.n_window))
         draft.touch(hit.entry.key)
     cut, capture_from = score_plan(length, cut, scorer.step_size, scorer.n_window,
                                    not checkpointed(scorer.model))
@@ -188,6 +198,16 @@ def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixC
     state.usage.draft_cached_tokens = cut
     state.scoring = Scoring(feed, state.tokens[capture_from:], scorer.n_lookahead - 1)
     state.status = Status.SCORING
+
+
+def on_draft_grid(hit: Hit, length: int, step_size: int, n_window: int) -> int:
+    """Where a scoring may restore the draft's stored prompt KV: at a point of the chunk
+    grid, before the stored prompt's own capturing chunk (every entry before it was then
+    computed in the chunks a fresh draft computes it in, so the importance is a fresh
+    draft's, bit for bit) and before this prompt's captured window (fed anew)."""
+    stored = int(hit.entry.tokens.size)
+    limit = min(hit.cut, length - n_window, capture_start(stored, step_size, n_window))
+    return max(limit, 0) // step_size * step_size
 
 
 def start_draft_feed(state: RequestState, runtime: Runtime,
@@ -278,110 +298,136 @@ def _runs(indices: np.ndarray) -> int:
     return int(indices.size and 1 + np.count_nonzero(np.diff(indices) > 1))
 
 
-def _repair_pays(runtime: Runtime, state: RequestState, repair: tuple, fresh: tuple,
-                 passages: bool) -> bool:
-    """Repairing a stored view against selecting anew, each (tokens to prefill, entries
-    cached before them, entries decode then attends over), by the cost model: their
-    prefill (with `passages` to add, at the rate repairs ran here), plus decode over the
-    entries each leaves for the reply."""
-    costs, reply = runtime.costs, min(state.max_tokens, REPLY_TOKENS)
+def agreeing_restore(target: Optional[PrefixCache], tokens: np.ndarray,
+                     positions: np.ndarray) -> Optional[Hit]:
+    """Of the cached entries, the one whose leading entries agree longest with the
+    planned `positions` (in feed order): same tokens, same kept positions, fed in the
+    same order, so its KV is what feeding them would compute. Its `cut` keeps those
+    entries; the rest of `positions` is fed after them. A dense entry agrees up to the
+    first position the plan drops. None when nothing agrees."""
+    if target is None:
+        return None
+    best, length = None, int(tokens.size)
+    for entry in target.entries.values():  # oldest first: the newest wins a tie
+        n = min(entry.tokens.size, length - 1)
+        if n <= 0:
+            continue
+        mismatch = np.flatnonzero(entry.tokens[:n] != tokens[:n])
+        shared = int(mismatch[0]) if mismatch.size else n
+        held = entry.positions if entry.positions is not None else np.arange(entry.tokens.size)
+        m = min(held.size, positions.size)
+        differ = np.flatnonzero(held[:m] != positions[:m])
+        agree = int(differ[0]) if differ.size else m
+        bound = int(held[agree]) if agree < held.size else int(entry.tokens.size)
+        cut = entry.restorable(min(shared, bound))
+        if cut > 0 and (best is None or cut >= best.cut):
+            best = Hit(entry, shared, cut)
+    return best
 
-    def seconds(kind: str, feed: int, cached: int, kept: int) -> float:
-        return costs.predict(kind, feed, cached) + reply * (
-            costs.predict("target", 1, kept) - costs.predict("target", 1, 0))
 
-    return seconds("repair" if passages else "target", *repair) <= seconds("target", *fresh)
+def continued_view(state: RequestState, runtime: Runtime, hit: Hit, importance: np.ndarray,
+                   selected: np.ndarray) -> tuple[Optional[np.ndarray], str]:
+    """A conversation's next turn (`hit`: the stored turn it holds whole): the turn's
+    view, extended with the selection past it, and the passages of the selection it
+    lacks added at their true positions unless it kept at least `keep` and holds
+    `reuse_coverage` of the top of the importance: (positions in feed order, what the
+    report says); positions None: selected anew (a cache that cannot take passages out
+    of order). A dense turn's view is every position: kept whole."""
+    config, entry, length = runtime.config, hit.entry, int(state.tokens.size)
+    window = sliding_window(make_prompt_cache(runtime.model))
+    shared = entry.restorable(min(hit.cut, length - window) if window else hit.cut)
+    held = entry.positions[: entry.count_before(shared)] if entry.positions is not None \
+        else np.arange(shared)
+    wanted = selected[selected < shared]
+    coverage = _coverage(importance, wanted, held)
+    missing = np.setdiff1d(wanted, held)
+    new = selected[selected >= shared]
+    view = f"the previous turn's view, coverage {coverage:.2f}"
+    if not missing.size or (entry.keep >= state.report.keep
+                            and coverage >= config.reuse_coverage):
+        gate = f" >= {config.reuse_coverage}, extended as it is" if missing.size else ""
+        return np.concatenate([held, new]), view + gate
+    if runtime.checkpointed:
+        return None, (f"selected anew: the previous turn's view covers {coverage:.2f} of "
+                      f"the shared prefix's importance at keep {entry.keep} (a hybrid or "
+                      f"sliding-window cache cannot be repaired)")
+    common = min(held.size, selected.size)
+    differ = np.flatnonzero(held[:common] != selected[:common])
+    fresh = int(selected.size - (differ[0] if differ.size else common))
+    slowdown = repair_slowdown()
+    if not repair_pays(int(missing.size + new.size), fresh, slowdown):
+        return None, (f"selected anew: repairing the previous turn's view ({missing.size} + "
+                      f"{new.size} tokens, a masked forward costing {slowdown:g}x a causal "
+                      f"one on this device) costs more than selecting anew ({fresh} tokens)")
+    return (np.concatenate([held, missing, new]),
+            f"{view}, repaired: +{_runs(missing)} chunks ({missing.size} tokens)")
+
+
+def repair_slowdown() -> float:
+    """How much a forward through a mask by position costs against a causal one, per
+    token, by device (a constant, so a turn's plan never depends on what was measured
+    before): about 1x on a CPU, 5.8x on a CUDA GPU, whose fused attention takes only
+    causal masks (docs/how-it-works.md, "A sparse turn is repaired")."""
+    cuda = mx.default_device() == mx.gpu and not mx.metal.is_available()
+    return REPAIR_SLOWDOWN_CUDA if cuda else 1.0
+
+
+def repair_pays(repaired: int, fresh: int, slowdown: float) -> bool:
+    """Repairing a view (`repaired` tokens fed through a mask by position) against
+    selecting anew (`fresh` tokens fed causally)."""
+    return repaired * slowdown <= fresh
+
+
+def plan_view(state: RequestState, runtime: Runtime, target: Optional[PrefixCache],
+              positions: np.ndarray, reuse: str = "") -> None:
+    """Prefill the kept `positions` (in feed order): restored from the cached entry that
+    agrees with them longest, the rest fed at their true positions."""
+    tokens, length = state.tokens, int(state.tokens.size)
+    hit = agreeing_restore(target, tokens, positions)
+    cut = hit.cut if hit is not None else 0
+    count = hit.entry.count_before(cut) if hit is not None else 0
+    restored = f"{'sparse' if hit.entry.positions is not None else 'dense'} " \
+        f"{hit.describe(cut)}" if hit is not None else "none"
+    state.report.reuse = f"{restored}; {reuse}" if reuse else restored
+    fed = positions[count:]
+    late = np.zeros(positions.size, dtype=bool)  # fed after an entry of a later position
+    late[1:] = positions[1:] < np.maximum.accumulate(positions)[:-1]
+    state.repaired = int(np.count_nonzero(late[count:]))
+    state.report.kept_tokens = int(positions.size)
+    state.report.selection_digest = hashlib.sha1(
+        np.sort(positions).astype(np.int64).tobytes()).hexdigest()[:16]
+    state.positions = None if np.array_equal(positions, np.arange(length)) else positions
+    _set_feed(state, runtime, hit, cut, tokens[fed], fed)
 
 
 def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
                 importance: np.ndarray) -> None:
-    """Selection over the whole prompt, then what of the prefix cache can be reused. A
-    dense prefix already cached is kept whole (its KV costs nothing) and `keep` applies
-    to the rest. A stored sparse view of the shared prefix is repaired: the passages the
-    new selection wants and the view lacks are fed at their true positions, then the new
-    tokens, unless selecting anew is predicted cheaper; then the view is still extended as
-    it is where it covers `reuse_coverage` of the top of the new importance. Hybrid and
-    sliding-window caches cannot take passages out of order: there the view is reused
-    behind that gate, or the prompt selected anew."""
+    """Selection over the whole prompt (a function of the prompt: nothing cached changes
+    it), or a conversation's next turn's view (`continued_view`); then prefilled from
+    what of it is cached (`plan_view`), and the decision recorded for the same request
+    again."""
     config, report, tokens = runtime.config, state.report, state.tokens
     length = tokens.size
-    target = caches.target
     if config.match_weight:
         importance = with_matches(importance, question_match(
             *runtime.words(tokens), min(config.n_window, length)), config.match_weight)
-    dense_hit = target.find(tokens, dense_only=True) if target is not None else None
-    must_keep = state.protected
-    if dense_hit is not None:
-        cached = np.arange(length) < dense_hit.cut
-        must_keep = cached if must_keep is None else (must_keep | cached)
     selected = np.asarray(select_chunks(
         importance, report.keep, config.chunk_size, config.backbone_pct, config.tail_tokens,
-        must_keep=must_keep, spread=config.spread,
+        must_keep=state.protected, spread=config.spread,
     ), dtype=np.int64)
-    probe = make_prompt_cache(runtime.model)
-    window = sliding_window(probe)
-    selected = cover_sliding_window(selected, probe, length, 0)
+    selected = cover_sliding_window(selected, make_prompt_cache(runtime.model), length, 0)
+    positions, reuse = selected, ""
+    turn = followed_turn(state, caches.target)
+    if turn is not None:
+        view, reuse = continued_view(state, runtime, turn, importance, selected)
+        if view is not None:
+            positions = view
+    plan_view(state, runtime, caches.target, positions, reuse)
+    runtime.decisions.record(decision_key(state), positions)
 
-    # what can be reused: the dense prefix, or a stored sparse view of a longer prefix
-    cut, before, reuse, hit = 0, np.zeros(0, np.int64), "none", None
-    added = np.zeros(0, np.int64)  # passages a repair adds to the view
-    if target is not None:
-        if dense_hit is not None:
-            # selected is sorted: the first index where it departs from 0, 1, 2, ...
-            # is the first dropped position
-            dropped = np.flatnonzero(selected != np.arange(selected.size))
-            first_dropped = int(dropped[0]) if dropped.size else int(selected.size)
-            cut = dense_hit.entry.restorable(min(dense_hit.cut, first_dropped))
-            hit, before = dense_hit, np.arange(cut)
-            reuse = f"dense {dense_hit.describe(cut)}" if cut else "none"
-        # a stored view reaching further than the dense prefix (one being densified, say);
-        # a sliding-window layer's last window is fed anew (the view may lack some of it)
-        sparse_hit = target.find(tokens)
-        entry = sparse_hit.entry if sparse_hit is not None else None
-        shared = 0 if entry is None else entry.restorable(
-            min(sparse_hit.cut, length - window) if window else sparse_hit.cut)
-        if entry is not None and entry.positions is not None and shared > cut:
-            held = entry.positions[: entry.count_before(shared)]
-            wanted = selected[selected < shared]
-            coverage = _coverage(importance, wanted, held)
-            missing = np.setdiff1d(wanted, held)
-            view = f"sparse {sparse_hit.describe(shared)}, coverage {coverage:.2f}"
-            if runtime.checkpointed:  # in-order caches: the view as it is, behind the gate
-                if coverage >= config.reuse_coverage and entry.keep >= report.keep:
-                    cut, hit, before = shared, sparse_hit, held
-                    reuse = f"{view} >= {config.reuse_coverage}"
-                else:
-                    reuse = (f"selected anew: a stored selection covers {coverage:.2f} of the "
-                             f"shared prefix's importance at keep {entry.keep} (a hybrid or "
-                             f"sliding-window cache cannot be repaired); {reuse}")
-            else:
-                new = int(np.count_nonzero(selected >= shared))
-                fresh = int(np.count_nonzero(selected >= cut))
-                kept = held.size + missing.size + new
-                repair = _repair_pays(runtime, state, (missing.size + new, held.size, kept),
-                                      (fresh, cut, selected.size), bool(missing.size))
-                if repair or coverage >= config.reuse_coverage:
-                    cut, hit, before = shared, sparse_hit, held
-                    reuse = view
-                    if repair and missing.size:
-                        added = missing
-                        reuse += (f", repaired: +{_runs(missing)} chunks "
-                                  f"({missing.size} tokens)")
-                    elif missing.size:  # the gate holds the top of the importance
-                        reuse += f" >= {config.reuse_coverage}, extended as it is"
-                else:
-                    reuse = (f"selected anew: repairing the stored view ({missing.size + new} "
-                             f"tokens after {held.size} entries, repairs running "
-                             f"{runtime.costs.repair_factor():.1f}x a causal prefill here) is "
-                             f"predicted slower than selecting anew ({fresh} tokens); {reuse}")
-    report.reuse = reuse
-    state.repaired = int(added.size)
-    kept_new = np.concatenate([added, selected[selected >= cut]])
-    positions = np.concatenate([before, kept_new])
-    report.kept_tokens = int(positions.size)
-    report.selection_digest = hashlib.sha1(np.sort(positions).tobytes()).hexdigest()[:16]
-    state.positions = None if np.array_equal(positions, np.arange(length)) else positions
-    _set_feed(state, runtime, hit, cut, tokens[kept_new], kept_new)
+
+def decision_key(state: RequestState) -> bytes:
+    return request_key(state.tokens, state.specprefill, state.report.keep, state.threshold)
 
 
 def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixCaches,
@@ -420,31 +466,38 @@ def promote(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> list
     return [load for load in loads if load is not None]
 
 
-def follows_sparse(state: RequestState, target: Optional[PrefixCache],
-                   dense_hit: Optional[Hit]) -> int:
-    """The length of a stored SpecPrefill turn this request continues beyond its dense
-    prefix (a conversation's next turn, the cost model's follow-ups), else 0. It must hold
-    the whole turn, prompt and reply (up to `FOLLOW_SLACK` tokens its chat template may
-    render otherwise), and go on past it: a retried prompt, a sibling request with the
+def followed_turn(state: RequestState, target: Optional[PrefixCache]) -> Optional[Hit]:
+    """The stored turn this request continues: a conversation's next turn holds a stored
+    entry whole, its prompt and its reply (up to `FOLLOW_SLACK` tokens at the reply's end
+    its chat template may render otherwise), and goes on past it. A retried prompt, a sibling request with the
     same system prompt or document, continues no turn."""
     hit = target.find(state.tokens) if target is not None else None
-    if hit is None or hit.entry.positions is None:
-        return 0
+    if hit is None:
+        return None
     stored = hit.entry.tokens.size
-    if hit.shared < stored - FOLLOW_SLACK or state.tokens.size <= stored:
-        return 0
-    return hit.shared if hit.shared > (dense_hit.cut if dense_hit else 0) else 0
+    if hit.shared < max(stored - FOLLOW_SLACK, hit.entry.prompt) or state.tokens.size <= stored:
+        return None
+    return hit
 
 
 def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
-    """Decide the request's prefill: scoring (then `plan_sparse`) or a dense feed, after
-    the draft's own feed of the prompt when it is to propose the reply."""
+    """Decide the request's prefill: as the same request before (`decisions.py`), else
+    scoring (then `plan_sparse`) or a dense feed, after the draft's own feed of the
+    prompt when it is to propose the reply."""
     caches = caches_for(state, caches)
     dense_hit = find_dense(state, caches.target)
-    if runtime.scorer is not None:  # without a draft no SpecPrefill turn is stored
-        state.follows = follows_sparse(state, caches.target, dense_hit)
     report = state.report
-    report.engaged, report.reason = decide(state, runtime, caches, dense_hit)
+    turn = None
+    if runtime.scorer is not None:  # without a draft no SpecPrefill turn is stored
+        turn = followed_turn(state, caches.target)
+        state.follows = turn.shared if turn is not None and turn.entry.positions is not None \
+            else 0
+        if state.specprefill is not False:
+            earlier = runtime.decisions.get(decision_key(state))
+            if earlier is not None:
+                follow_decision(state, runtime, caches, earlier, dense_hit)
+                return
+    report.engaged, report.reason = decide(state, runtime, caches, dense_hit, turn is not None)
     if report.engaged:
         try:
             start_scoring(state, runtime, caches.draft)
@@ -452,10 +505,41 @@ def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
         except Exception as error:
             fall_back_to_dense(state, runtime, caches, error)
             return
+    if runtime.scorer is not None and state.specprefill is not False:
+        runtime.decisions.record(decision_key(state), DENSE)
     if state.speculative:
         start_draft_feed(state, runtime, caches.draft)
         return
     plan_dense(state, runtime, dense_hit)
+
+
+def follow_decision(state: RequestState, runtime: Runtime, caches: PrefixCaches,
+                    earlier, dense_hit: Optional[Hit]) -> None:
+    """The same request again: dense, or the view it kept, as then (no draft scoring; the
+    draft feeds the prompt first where it is to propose the reply)."""
+    report = state.report
+    report.engaged = not isinstance(earlier, str)
+    if report.engaged:
+        report.reason = "the same request as before: its kept positions again"
+        state.view = earlier
+    else:
+        report.reason = "the same request as before: dense again"
+    if state.speculative:
+        start_draft_feed(state, runtime, caches.draft)
+    elif report.engaged:
+        plan_view(state, runtime, caches.target, earlier.astype(np.int64))
+    else:
+        plan_dense(state, runtime, dense_hit)
+
+
+def after_draft_feed(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
+    """The draft holds the prompt's KV (to propose the reply): the target's prefill, the
+    view the same request kept before or dense."""
+    caches = caches_for(state, caches)
+    if state.view is not None:
+        plan_view(state, runtime, caches.target, state.view.astype(np.int64))
+    else:
+        plan_dense(state, runtime, find_dense(state, caches.target))
 
 
 def split_at_boundaries(chunk_ends: list, boundaries: tuple, cut: int, size: int,

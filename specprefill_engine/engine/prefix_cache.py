@@ -45,6 +45,7 @@ class Entry:
     disk: Optional[str] = None  # its file in the disk tier (written, queued or read)
     from_disk: bool = False  # read back from the disk tier and not restored since
     writing: bool = False  # a planned write has not run yet
+    prompt: int = 0  # the stored turn's prompt length, its reply after it (0: all prompt)
 
     @property
     def count(self) -> int:
@@ -185,7 +186,7 @@ class PrefixCache:
         the entries it extends (their checkpoints move over), never one in `pinned` (a
         planned restore still names it). Stores planned before it in the same plan count."""
         new = Entry(np.asarray(store.tokens), store.positions, self.cuts_anywhere,
-                    keep=store.keep, densified=store.densified)
+                    keep=store.keep, densified=store.densified, prompt=store.prompt)
         known = [*self.entries.values(), *self.planned.values()]
         for old in reversed(known):  # newest first
             if extends(old, new):
@@ -235,7 +236,8 @@ class PrefixCache:
         if not self.disk.pays(stub, prefill_s):
             return None
         entry = Entry(stub.tokens, stub.positions, stub.cuts_anywhere, stub.checkpoints,
-                      self._key(), stub.nbytes, stub.keep, stub.densified, stub.disk, True)
+                      self._key(), stub.nbytes, stub.keep, stub.densified, stub.disk, True,
+                      prompt=stub.prompt)
         self.planned[entry.key] = entry
         return Load(entry.key, stub)
 

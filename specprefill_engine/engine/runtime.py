@@ -3,7 +3,7 @@
 import logging
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import mlx.core as mx
@@ -19,6 +19,7 @@ from ..core.scoring import N_LOOKAHEAD, N_WINDOW, POOL_KERNEL, default_draft_ste
 from ..core.selection import BACKBONE, CHUNK_SIZE, KEEP, SPREAD, TAIL_TOKENS
 from ..loading import DEMO_DRAFT, DEMO_TARGET, ModelLoadError, check_same_tokenizer, load_model
 from .batch import batching_support
+from .decisions import Decisions
 from .chat import DEFAULT_RECENT_CAP, DEFAULT_SYSTEM_CAP
 from .disk_cache import model_identity
 from .distributed import Channel, agree
@@ -167,6 +168,7 @@ class Runtime:
     vouch: Optional[DraftCheck] = None  # what the engine knows of its draft; None: no draft
     speculative_reason: str = ""  # why the pair cannot decode speculatively; "": it can
     words: Optional[TokenWords] = None  # the tokens' words, where the selection matches them
+    decisions: Decisions = field(default_factory=Decisions)  # the same request, the same plan
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,7 @@ class RequestState:
     follows: int = 0  # the length of a stored SpecPrefill turn it continues (for the cost model)
     densified: bool = False  # dense after a densified prefix: its entries count as densified
     positions: Optional[np.ndarray] = None  # each prompt cache entry's position; None: all
+    view: Optional[np.ndarray] = None  # the positions the same request kept before, to keep again
     repaired: int = 0  # tokens of dropped passages its prefill feeds after later entries
     stored_reply: Optional[int] = None  # at its end: reply tokens its kept cache holds
     speculative: bool = False  # its draft keeps the prompt's KV to propose its reply

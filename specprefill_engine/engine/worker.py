@@ -54,8 +54,7 @@ from .executor import Executor, TurnOutcome
 from .kv_store import KVStore
 from .plan import Join, Store, TurnPlan
 from .planner import (
-    PrefixCaches, begin, caches_for, fall_back_to_dense, find_dense, plan_dense, plan_sparse,
-    promote, scoring_units, short_prefill_share, speculation,
+    PrefixCaches, after_draft_feed, begin, caches_for, fall_back_to_dense, plan_sparse, promote, scoring_units, short_prefill_share, speculation,
 )
 from .prefix_cache import PrefixCache, prefix_cache_for
 from .results import Progress
@@ -380,7 +379,7 @@ class Worker:
             if state.stored_reply is not None and target is not None:
                 store = self._plan_store(plan, state, state.stored_reply, target, live)
                 if state.positions is not None and self.runtime.config.densify != "off":
-                    self._add_job(store.tokens, store.key)
+                    self._add_job(store.tokens, store.key, int(state.tokens.size))
             plan.releases.append(state.handle)
             self._forget(state)
 
@@ -391,13 +390,13 @@ class Worker:
 
     # densify ---------------------------------------------------------------------
 
-    def _add_job(self, tokens: np.ndarray, replaces: int) -> None:
+    def _add_job(self, tokens: np.ndarray, replaces: int, prompt: int) -> None:
         """A SpecPrefill turn to densify (its sparse entry's key: `replaces`), first in
         line unless a job is under way: the newest turn is the one an agent's next turn
         extends. Queued turns it extends are not needed."""
         jobs = [job for job in self._jobs if job.feed is not None or not (
             job.tokens.size <= tokens.size and np.array_equal(job.tokens, tokens[: job.tokens.size]))]
-        job = densify.Job(next(self._handles), tokens, replaces)
+        job = densify.Job(next(self._handles), tokens, replaces, prompt)
         at = 1 if jobs and jobs[0].feed is not None else 0
         self._jobs = deque(jobs[:at] + [job] + jobs[at:])
 
@@ -462,7 +461,8 @@ class Worker:
         if positions is not None:
             positions = np.concatenate([positions, state.tokens.size + np.arange(replied)])
         keep = state.report.keep if state.positions is not None else 1.0
-        store = Store(state.handle, tokens, positions, keep, densified=state.densified)
+        store = Store(state.handle, tokens, positions, keep, densified=state.densified,
+                      prompt=int(state.tokens.size))
         target.plan_store(store, self._pinned(live))
         plan.stores.append(store)
         return store
@@ -663,7 +663,7 @@ class Worker:
         state.scoring_busy = scoring.busy
         state.scoring = None
         if result is None:
-            plan_dense(state, runtime, find_dense(state, caches.target))
+            after_draft_feed(state, runtime, caches)
             return
         try:
             if isinstance(result, Exception):

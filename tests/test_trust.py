@@ -1,0 +1,119 @@
+"""The same request, the same answer: a selection is a function of the prompt.
+
+For a given prompt, keep and draft, the kept positions (`report.selection_digest`) and
+the greedy tokens are a fresh engine's whatever ran before: the same request again, a
+sibling prompt sharing the document, a lower keep first, a dense request first, other
+requests at the same time, a failed request. On 115a5ba each of these changed them: a
+repeat repaired the stored view with chunks the first selection did not want (and it
+grew with every repeat), a sibling reused another request's view, a higher keep was
+extended from a lower keep's view, a cached dense prefix was kept whole, and a warm
+draft cache restored off its chunk grid changed the importance itself.
+"""
+
+import asyncio
+
+import pytest
+from faults import executor_fault
+
+from specprefill_engine import Engine
+from specprefill_engine.demo_tasks import make_case
+from specprefill_engine.engine import RequestFailedError
+
+pytestmark = pytest.mark.timeout(600)
+LENGTH = 2500
+
+
+def messages(tokenizer, seed: int, suffix: str = "") -> list:
+    case = make_case(tokenizer, seed, "passkey", LENGTH).messages
+    if suffix:
+        case = [*case[:-1], {**case[-1], "content": case[-1]["content"] + suffix}]
+    return case
+
+
+def kept(result) -> tuple:
+    return result.specprefill.selection_digest, result.specprefill.kept_tokens, result.token_ids
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """What a fresh engine answers: each request on an engine with no cache at all."""
+    engine = Engine(densify="off", prefix_cache_bytes=0).start_sync()
+    yield lambda prompt, **options: kept(engine.generate_sync(
+        prompt, max_tokens=8, specprefill=True, cache_prompt=False, **options))
+    engine.shutdown_sync()
+
+
+async def test_the_same_request_repeated_keeps_the_first_selection(fresh, fresh_cache_dir):
+    async with Engine(densify="off") as engine:
+        prompt = messages(engine.tokenizer, 7)
+        runs = [kept(await engine.generate(prompt, max_tokens=8, specprefill=True, keep=0.3))
+                for _ in range(4)]
+        report = (await engine.generate(prompt, max_tokens=8, specprefill=True,
+                                        keep=0.3)).specprefill
+    assert runs == [fresh(prompt, keep=0.3)] * 4
+    assert report.reason == "the same request as before: its kept positions again"
+    assert "repaired" not in report.reuse and report.reuse.startswith("sparse prefix")
+
+
+async def test_a_higher_keep_on_a_seen_prompt_keeps_what_a_fresh_selection_keeps(
+        fresh, fresh_cache_dir):
+    async with Engine(densify="off") as engine:
+        prompt = messages(engine.tokenizer, 8)
+        low = kept(await engine.generate(prompt, max_tokens=8, specprefill=True, keep=0.2))
+        high = kept(await engine.generate(prompt, max_tokens=8, specprefill=True, keep=0.6))
+        again = kept(await engine.generate(prompt, max_tokens=8, specprefill=True, keep=0.2))
+    assert high == fresh(prompt, keep=0.6)
+    assert low == again == fresh(prompt, keep=0.2)
+    assert low[1] < high[1]
+
+
+async def test_a_sibling_prompt_selects_as_on_a_fresh_engine(fresh, fresh_cache_dir):
+    """Same document, another question: the first request's view is no view of its."""
+    async with Engine(densify="off") as engine:
+        first = messages(engine.tokenizer, 10)
+        sibling = messages(engine.tokenizer, 10, " Answer with the number only.")
+        await engine.generate(first, max_tokens=8, specprefill=True)
+        result = kept(await engine.generate(sibling, max_tokens=8, specprefill=True))
+    assert result == fresh(sibling)
+
+
+async def test_a_prompt_cached_dense_is_still_selected_when_specprefill_is_asked(
+        fresh, fresh_cache_dir):
+    async with Engine(densify="off") as engine:
+        prompt = messages(engine.tokenizer, 9)
+        await engine.generate(prompt, max_tokens=8, specprefill=False)
+        result = await engine.generate(prompt, max_tokens=8, specprefill=True)
+    assert result.specprefill.engaged and result.usage.cached_tokens > 0
+    assert kept(result) == fresh(prompt)
+
+
+async def test_concurrent_requests_sharing_a_document_answer_as_alone(fresh, fresh_cache_dir):
+    async with Engine(densify="off") as engine:
+        prompts = [messages(engine.tokenizer, 11, f" (question {i}: the passkey)")
+                   for i in range(4)]
+        results = await asyncio.gather(*(engine.generate(p, max_tokens=8, specprefill=True)
+                                         for p in prompts))
+        again = await asyncio.gather(*(engine.generate(p, max_tokens=8, specprefill=True)
+                                       for p in reversed(prompts)))
+    expected = [fresh(p) for p in prompts]
+    assert [kept(r) for r in results] == expected
+    assert [kept(r) for r in reversed(again)] == expected
+
+
+async def test_after_a_failed_request_the_next_one_answers_as_on_a_fresh_engine(
+        fresh, fresh_cache_dir):
+    """A SpecPrefill request fails in its prefill (after the draft stored its prompt's
+    KV); the same prompt and a grown one then select and answer as a fresh engine's."""
+    async with Engine(densify="off") as engine:
+        prompt = messages(engine.tokenizer, 12)
+        grown = messages(engine.tokenizer, 12, " Think about it first.")
+
+        def fault(handle):
+            raise RuntimeError("injected")
+
+        with executor_fault("prefill", fault):
+            with pytest.raises(RequestFailedError):
+                await engine.generate(prompt, max_tokens=8, specprefill=True)
+        after = [kept(await engine.generate(p, max_tokens=8, specprefill=True))
+                 for p in (prompt, grown)]
+    assert after == [fresh(prompt), fresh(grown)]
