@@ -15,12 +15,9 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 from mlx_lm import stream_generate
-from mlx_lm.models.cache import make_prompt_cache
 
-from .core import (
-    chunked_prefill, cleanup_rope, run_steps, score_tokens, select_chunks, sparse_prefill,
-)
-from .core.prefill import STEP_SIZE
+from .core import score_tokens, select_chunks
+from .core.answers import dense_answer, sparse_answer
 from .core.selection import CHUNK_SIZE, TAIL_TOKENS, effective_chunk_size, forced_tokens
 from .demo_tasks import KINDS, make_case
 from .engine import Engine
@@ -115,28 +112,6 @@ def ttft_table(rows: list) -> str:
 
 def answer_text(tokenizer, tokens) -> str:
     return tokenizer.decode(tokens).split("<|end|>")[0].strip()
-
-
-def _greedy(model, logits, cache, n: int, eos: set) -> list:
-    tokens = [mx.argmax(logits, axis=-1).item()]
-    while len(tokens) < n and tokens[-1] not in eos:
-        tokens.append(mx.argmax(model(mx.array([[tokens[-1]]]), cache=cache)[:, -1], axis=-1).item())
-    return tokens
-
-
-def dense_answer(model, ids, n: int, eos: set, step_size: int = STEP_SIZE) -> list:
-    cache = make_prompt_cache(model)
-    logits = run_steps(chunked_prefill(model, mx.array(ids), cache, step_size))
-    return _greedy(model, logits[:, -1], cache, n, eos)
-
-
-def sparse_answer(model, ids, kept, n: int, eos: set, step_size: int = STEP_SIZE) -> list:
-    cache = make_prompt_cache(model)
-    try:
-        logits = sparse_prefill(model, ids, kept, cache, step_size=step_size)
-        return _greedy(model, logits, cache, n, eos)
-    finally:
-        cleanup_rope(model)
 
 
 def random_selection(rng: random.Random, length: int, n_kept: int,
@@ -235,5 +210,5 @@ def quality_table(rows: list) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["KINDS", "answer_text", "quality_cases", "quality_rows", "quality_table", "ttft_rows",
+__all__ = ["KINDS", "answer_text", "dense_answer", "sparse_answer", "quality_cases", "quality_rows", "quality_table", "ttft_rows",
            "ttft_table"]

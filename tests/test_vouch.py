@@ -171,3 +171,36 @@ def test_the_demo_pair_engages_as_before_without_a_probe(fresh_cache_dir, demo_p
     assert not (fresh_cache_dir / vouch.FOLDER).exists()  # no probe ran
     with Engine(model=str(DEMO_TARGET), draft=str(DEMO_TARGET)) as engine:
         assert engine.info.draft.vouched is True and "is the target" in engine.info.draft.reason
+
+
+def test_a_pair_that_loses_code_answers_declines_code_and_engages_on_prose(
+        fresh_cache_dir, random_draft, demo_pair):
+    """The probe's verdict is per kind: a pair whose target answered a code question dense
+    and not from the draft's selection is not engaged on code prompts (the report says
+    why), while prose prompts engage. The measurement is the saved one, as a later engine
+    of the pair reads it."""
+    from specprefill_engine.demo_tasks import make_case as demo_case
+    from specprefill_engine.prose_tasks import make_case as prose_case
+
+    tokenizer = demo_pair[2]
+    code = demo_case(tokenizer, 43, "passkey", 1200).messages  # a Python file
+    prose = [{"role": "user", "content": tokenizer.decode(
+        prose_case(tokenizer, "passkey", 1200, 1).ids[4:])}]
+    with Engine(model=str(DEMO_TARGET), draft=str(random_draft)) as engine:
+        check = engine._worker.runtime.vouch
+    found = [0.01] * vouch.QUESTIONS  # the draft holds every answer the target does
+    for answers, code_engaged in (([[True, True]] * 3, True),
+                                  ([[True, True], [True, False], [True, True]], False)):
+        check.path.parent.mkdir(parents=True, exist_ok=True)
+        check.path.write_text(json.dumps({
+            "version": vouch.VERSION, "key": check.key, "measured_at": 0,
+            "probe": {"target": found, "draft": found, "target_s": 1.0, "draft_s": 1.0,
+                      "length": 2048, "code_answers": answers}}))
+        with Engine(model=str(DEMO_TARGET), draft=str(random_draft)) as engine:
+            on_code = engine.generate_sync(code, max_tokens=2, cache_prompt=False).specprefill
+            on_prose = engine.generate_sync(prose, max_tokens=2, cache_prompt=False).specprefill
+        assert on_prose.engaged, on_prose.reason
+        assert on_code.engaged is code_engaged, on_code.reason
+        if not code_engaged:
+            assert on_code.reason.startswith("policy: draft not vouched for: code: from the "
+                                             "draft's selection the target answers 2 of the 3")

@@ -35,6 +35,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..core import UnsupportedModelError, select_chunks
 from ..core.adapters import check_sparse_prefill_supported, sliding_window
+from ..core.kinds import content_kind
 from ..core.matching import question_match, with_matches
 from ..core.prefill import chunk_cost, chunk_plan, prefill_weight
 from ..core.scoring import capture_start, check_score_arguments, score_plan
@@ -88,8 +89,15 @@ def not_vouched(state: RequestState, runtime: Runtime) -> str:
         return ""
     if check.pending:
         check.run(runtime.model, runtime.scorer.model, runtime.tokenizer)
-    verdict = check.verdict(state.keep)
+    verdict = check.verdict(state.keep, prompt_kind(state, runtime))
     return "" if verdict.vouched is not False else f"policy: draft not vouched for: {verdict.reason}"
+
+
+def prompt_kind(state: RequestState, runtime: Runtime) -> str:
+    """Code or prose (`core/kinds.py`), over what the selection may drop: the prompt
+    less its protected tokens."""
+    tokens = state.tokens if state.protected is None else state.tokens[~state.protected]
+    return content_kind(runtime.tokenizer.decode(tokens.tolist()))
 
 
 def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches,

@@ -31,6 +31,13 @@ question's words (`core/matching.py`): its questions name what they ask for, whi
 matches find whatever the draft (a random draft would pass), while the prompts a user
 sends ask for much that no word of theirs names.
 
+Code is judged apart (`core/kinds.py`): a view of code can glue the ends of different
+functions together, and the target can then answer otherwise than dense even where the
+answer's own tokens are kept. So the probe also asks the target `ANSWER_QUESTIONS` code
+questions dense and with the draft's selection at the engine's keep, and the policy
+engages on code only where the target answers every one it answers dense (at least
+`CONCLUSIVE` of them): the answers themselves, not the tokens held.
+
 The questions share their file, so each model prefills it once and then only each
 question. The measurement is persisted per (target, draft, scoring and selection
 settings) in `cache_dir()/draft-checks`, keyed by both models' identity (their files and
@@ -46,20 +53,21 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
-from ..code_tasks import make_case
+from ..code_tasks import is_right, make_case
 from ..core import run_steps, score_steps, select_chunks
+from ..core.answers import dense_answer, sparse_answer
 from ..core.scoring import N_LOOKAHEAD, N_WINDOW, POOL_KERNEL
 from ..loading import cache_dir, save_json
 
 logger = logging.getLogger(__name__)
-VERSION = 2  # of the probe and its file
+VERSION = 3  # of the probe and its file
 FOLDER = "draft-checks"
 # (file length in tokens, ((kind, questions), ...)): the longest first; each over one file
 PROBES = ((2048, (("code_return", 4), ("code_far", 4))),
@@ -70,6 +78,8 @@ HELD_SHARE = 0.75  # of the answers the target's own selection holds, the draft'
 CONCLUSIVE = 3  # answers the target's own selection must hold for a verdict
 MARGIN = 0.5  # the share of the engine's keep the probe judges at
 KEEPS = np.round(np.arange(1, 101) / 100, 2)  # the keeps `needed_keep` tries
+ANSWER_LENGTH = 768  # the code file the target answers over, dense and sparse
+ANSWER_QUESTIONS = 3
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,8 @@ class Probe:
     target_s: float = 0.0
     draft_s: float = 0.0
     length: int = PROBES[-1][0]  # the probe's file, of `PROBES`
+    # per code question: (the target answers it dense, and from the draft's selection)
+    code_answers: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,46 @@ def measure(target, draft, tokenizer, length: int, n_lookahead: int = N_LOOKAHEA
                  round(seconds["draft"], 3), length)
 
 
+def code_answers(target, draft, tokenizer, keep: float, n_lookahead: int = N_LOOKAHEAD,
+                 pool_kernel: int = POOL_KERNEL, n_window: int = N_WINDOW,
+                 **selection) -> tuple:
+    """Per code question of the answer probe: (the target answers it right dense, and
+    right from the draft's selection at `keep`, as the engine selects)."""
+    eos, found = set(tokenizer.eos_token_ids), []
+    for ask in range(ANSWER_QUESTIONS):
+        case = make_case(tokenizer, "code_return", ANSWER_LENGTH, SEED, ask)
+        importance = run_steps(score_steps(draft, case.ids, n_lookahead, pool_kernel,
+                                           n_window=n_window))
+        kept = select_chunks(np.array(importance), keep,
+                             must_keep=np.arange(len(case.ids)) < case.head, **selection)
+        dense = tokenizer.decode(dense_answer(target, case.ids, case.max_tokens, eos))
+        sparse = tokenizer.decode(sparse_answer(target, case.ids, kept, case.max_tokens, eos))
+        found.append((is_right(case, dense), is_right(case, sparse)))
+    mx.clear_cache()
+    return tuple(found)
+
+
+def judge_code(probe: Probe, verdict: DraftVerdict) -> DraftVerdict:
+    """The verdict for code prompts: `verdict` (the draft's), unless the target lost an
+    answer it gives dense, or the probe could not show it keeps them."""
+    if verdict.vouched is False:
+        return verdict
+    right = sum(dense for dense, _ in probe.code_answers)
+    kept = sum(dense and sparse for dense, sparse in probe.code_answers)
+    count = len(probe.code_answers)
+    if right < CONCLUSIVE:
+        return DraftVerdict(False, f"code: dense answers only {right} of the {count} code "
+                                   f"probe questions, too few to show SpecPrefill keeps them",
+                            probe)
+    if kept < right:
+        return DraftVerdict(False, f"code: from the draft's selection the target answers "
+                                   f"{kept} of the {right} code probe questions it answers "
+                                   f"dense", probe)
+    return DraftVerdict(verdict.vouched, f"{verdict.reason}; code: the target answers all "
+                                         f"{right} code probe questions it answers dense",
+                        probe)
+
+
 def probe_pair(target, draft, tokenizer, keep: float, **settings) -> Probe:
     """The probes of `PROBES` from the longest, until one gives a verdict at `keep` (the
     target's own selection holds enough answers there): the draft is judged at the
@@ -145,7 +197,9 @@ def probe_pair(target, draft, tokenizer, keep: float, **settings) -> Probe:
         probe = measure(target, draft, tokenizer, length, **settings)
         if judge(probe, keep).vouched is not None:
             break
-    return probe
+    if judge(probe, keep).vouched is False:
+        return probe
+    return replace(probe, code_answers=code_answers(target, draft, tokenizer, keep, **settings))
 
 
 def judge(probe: Probe, keep: float) -> DraftVerdict:
@@ -185,7 +239,13 @@ def _plausible(saved, key: dict) -> Optional[Probe]:
         return None
     if probe.get("length") not in dict(PROBES):
         return None
-    return Probe(tuple(keeps[0]), tuple(keeps[1]), *times, probe["length"])
+    answers = probe.get("code_answers", [])
+    if not isinstance(answers, list) or len(answers) > ANSWER_QUESTIONS or not all(
+            isinstance(a, list) and len(a) == 2 and all(isinstance(v, bool) for v in a)
+            for a in answers):
+        return None
+    return Probe(tuple(keeps[0]), tuple(keeps[1]), *times, probe["length"],
+                 tuple(tuple(a) for a in answers))
 
 
 class DraftCheck:
@@ -210,7 +270,8 @@ class DraftCheck:
         """The probe has yet to run."""
         return self.fixed is None and self.probe is None and not self.failed
 
-    def verdict(self, keep: float) -> DraftVerdict:
+    def verdict(self, keep: float, kind: str = "prose") -> DraftVerdict:
+        """The verdict at `keep` for prompts of `kind` (`core/kinds.py`)."""
         if self.fixed is not None:
             return self.fixed
         if self.failed:
@@ -218,7 +279,8 @@ class DraftCheck:
         if self.probe is None:
             return DraftVerdict(None, "not probed yet: the probe runs on the first prompt "
                                       "the automatic policy would engage on")
-        return judge(self.probe, keep)
+        verdict = judge(self.probe, keep)
+        return judge_code(self.probe, verdict) if kind == "code" else verdict
 
     def run(self, target, draft, tokenizer) -> None:
         """Measure (on the worker), persist, and say what it found; a failure leaves no
@@ -272,5 +334,6 @@ class DraftCheck:
         saved = {"version": VERSION, "key": self.key, "measured_at": time.time(),
                  "probe": {"target": list(self.probe.target), "draft": list(self.probe.draft),
                            "target_s": self.probe.target_s, "draft_s": self.probe.draft_s,
-                           "length": self.probe.length}}
+                           "length": self.probe.length,
+                           "code_answers": [list(a) for a in self.probe.code_answers]}}
         save_json(self.path, saved, "the draft check")
