@@ -631,3 +631,39 @@ def test_serve_refuses_past_its_bound_and_drains_at_sigterm():
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_one_greedy_request_answers_alike_through_every_api(fresh_cache_dir):
+    """On a fresh cache folder, with the default policy (which learns costs from each
+    request): the same chat through the OpenAI client, plain and streamed, and through
+    the Anthropic client, plain and streamed, gets the same text and kept tokens. On
+    115a5ba what the engine had learned from the first request changed the next ones."""
+    served = Served(Engine(), ServerConfig(api_key=KEY))
+    try:
+        messages, _ = case(served, 44, 2500)
+        openai_client, anthropic_client = served.openai(), served.anthropic()
+        texts, kept = [], []
+        for stream in (False, True):
+            if stream:
+                chunks = list(openai_client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=10, temperature=0, stream=True))
+                texts.append("".join(c.choices[0].delta.content or "" for c in chunks
+                                     if c.choices))
+            else:
+                reply = openai_client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=10, temperature=0)
+                texts.append(reply.choices[0].message.content)
+                kept.append(reply.model_extra["specprefill"]["kept_tokens"])
+            options = dict(model="m", messages=messages, max_tokens=10,
+                           extra_body={"temperature": 0})
+            if stream:
+                with anthropic_client.messages.stream(**options) as events:
+                    texts.append(events.get_final_text())
+            else:
+                reply = anthropic_client.messages.create(**options)
+                texts.append(reply.content[0].text)
+        direct = served.engine.generate_sync(messages, max_tokens=10)
+    finally:
+        served.stop()
+    assert texts == [direct.text] * 4, texts
+    assert kept == [direct.specprefill.kept_tokens]
