@@ -185,18 +185,23 @@ def plan_dense(state: RequestState, runtime: Runtime, hit: Optional[Hit]) -> Non
     _set_feed(state, runtime, hit, cut, state.tokens[cut:], None)
 
 
-def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixCache]) -> None:
+def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixCache],
+                  exact: bool) -> None:
     """Score the whole prompt, reusing the draft's prefix cache: its units are the draft's
     prompt chunks from what the cache lacks, the chunk that captures the window's
-    queries, the lookahead steps and the reduction, one per turn (`scoring_units`)."""
+    queries, the lookahead steps and the reduction, one per turn (`scoring_units`).
+    `exact`: restore only on the draft's chunk grid (`on_draft_grid`); a conversation's
+    next turn, whose view is a documented reuse, continues wherever the stored KV ends."""
     check_sparse_prefill_supported(runtime.model)  # before spending the draft's time
     scorer, length = runtime.scorer, int(state.tokens.size)
     check_score_arguments(length, scorer.n_lookahead, scorer.n_window, scorer.step_size)
     hit = draft.find(state.tokens) if draft is not None else None
     cut = 0
     if hit is not None:
-        cut = hit.entry.restorable(on_draft_grid(hit, length, scorer.step_size,
-                                                 scorer.n_window))
+        if exact and not checkpointed(scorer.model):
+            cut = on_draft_grid(hit, length, scorer.step_size, scorer.n_window)
+        else:  # continued from where the stored KV ends, or from a checkpoint
+            cut = hit.entry.restorable(min(hit.cut, length - scorer.n_window))
         draft.touch(hit.entry.key)
     cut, capture_from = score_plan(length, cut, scorer.step_size, scorer.n_window,
                                    not checkpointed(scorer.model))
@@ -209,10 +214,12 @@ def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixC
 
 
 def on_draft_grid(hit: Hit, length: int, step_size: int, n_window: int) -> int:
-    """Where a scoring may restore the draft's stored prompt KV: at a point of the chunk
-    grid, before the stored prompt's own capturing chunk (every entry before it was then
-    computed in the chunks a fresh draft computes it in, so the importance is a fresh
-    draft's, bit for bit) and before this prompt's captured window (fed anew)."""
+    """Where a scoring may restore a plain draft's stored prompt KV: at a point of the
+    chunk grid, before the stored prompt's own capturing chunk (every entry before it was
+    then computed in the chunks a fresh draft computes it in, so the importance is a
+    fresh draft's, bit for bit) and before this prompt's captured window (fed anew). A
+    draft whose cache cannot be cut (hybrid, sliding window) is restored at a checkpoint
+    instead: its importance is a fresh draft's up to float rounding."""
     stored = int(hit.entry.tokens.size)
     limit = min(hit.cut, length - n_window, capture_start(stored, step_size, n_window))
     return max(limit, 0) // step_size * step_size
@@ -508,7 +515,7 @@ def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
     report.engaged, report.reason = decide(state, runtime, caches, dense_hit, turn is not None)
     if report.engaged:
         try:
-            start_scoring(state, runtime, caches.draft)
+            start_scoring(state, runtime, caches.draft, exact=turn is None)
             return
         except Exception as error:
             fall_back_to_dense(state, runtime, caches, error)
