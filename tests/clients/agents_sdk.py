@@ -1,7 +1,7 @@
-"""The OpenAI Agents SDK against `serve` (benchmarks/clients.sh): one agent with a
+"""The OpenAI Agents SDK against `serve` (tests/clients/clients.sh): one agent with a
 function tool through chat completions, then the same through the Responses API.
 
-    python benchmarks/clients_agents.py http://127.0.0.1:8321/v1 sk-local
+    python tests/clients/agents_sdk.py http://127.0.0.1:8321/v1 sk-local
 """
 
 import sys

@@ -1,6 +1,6 @@
 """A logging proxy: forwards every request to a server and saves each request body.
 
-    python benchmarks/capture.py --upstream http://127.0.0.1:8000 --port 8001 --out DIR
+    python tests/clients/capture.py --upstream http://127.0.0.1:8000 --port 8001 --out DIR
 
 Each request is written as DIR/NNN-<path>.json: `{"method", "path", "headers",
 "body", "status"}`, credentials left out (`authorization`, `x-api-key`). Responses,

@@ -4,7 +4,7 @@
 # else), and must exit 0. Then a three-turn Claude Code session (tools on), whose turns 2
 # and 3 must read >= 90% of the previous turn's prompt from the prefix cache.
 #
-#   bash benchmarks/clients.sh [claude codex opencode aider llm agents claude-turns]
+#   bash tests/clients/clients.sh [claude codex opencode aider llm agents claude-turns]
 #
 # Install the CLIs first (not project dependencies):
 #   npm install -g @anthropic-ai/claude-code @openai/codex opencode-ai
@@ -15,9 +15,9 @@
 # save_long_context_model: Claude Code's ~28K-token prompt does not fit the demo pair's
 # 16K, and on a 2-core CPU a real model's prefill of it takes minutes), DRAFT, PORT,
 # PYTHON (the project's venv), AIDER_VENV, PY_CLIENTS_VENV, CAPTURE=DIR (each request
-# body saved through benchmarks/capture.py, as tests/fixtures/clients/ were).
+# body saved through tests/clients/capture.py, as tests/fixtures/clients/ were).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$PWD
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$PYTHON" ] || PYTHON=/work/main/.venv/bin/python
@@ -42,7 +42,7 @@ SERVE=("$PYTHON" -m specprefill_engine.cli serve --model "$MODEL" --port "$PORT"
 SERVER=$!
 URL=http://127.0.0.1:$PORT
 if [ -n "${CAPTURE:-}" ]; then
-  "$PYTHON" benchmarks/capture.py --upstream "$URL" --port $((PORT + 1)) --out "$CAPTURE" \
+  "$PYTHON" tests/clients/capture.py --upstream "$URL" --port $((PORT + 1)) --out "$CAPTURE" \
     > "$WORK/capture.log" 2>&1 &
   PROXY=$!
   URL=http://127.0.0.1:$((PORT + 1))
@@ -125,7 +125,7 @@ EOF
       "$PY_CLIENTS_VENV/bin/llm" -m local "$TASK" ;;
   agents)  # the OpenAI Agents SDK: a tool call through chat completions, then Responses
     run agents "$PY_CLIENTS_VENV/bin/python -c 'import agents; print(\"openai-agents\", agents.__version__)'" \
-      "$PY_CLIENTS_VENV/bin/python" "$ROOT/benchmarks/clients_agents.py" "$URL/v1" $KEY ;;
+      "$PY_CLIENTS_VENV/bin/python" "$ROOT/tests/clients/agents_sdk.py" "$URL/v1" $KEY ;;
   claude-turns)  # three turns, tools on; usage from --output-format json
     for turn in 1 2 3; do
       more=(); [ $turn -gt 1 ] && more=(--continue)

@@ -1,8 +1,8 @@
 """How many prompt tokens each agent CLI's captured requests take in a model's tokenizer
 (`tests/fixtures/clients/`): which model's context fits which client.
 
-    python benchmarks/client_prompts.py                 # the demo pair's tokenizer
-    python benchmarks/client_prompts.py --model PATH    # any model the engine loads
+    python tests/clients/prompt_tokens.py                 # the demo pair's tokenizer
+    python tests/clients/prompt_tokens.py --model PATH    # any model the engine loads
 
 Each body is rendered exactly as the server renders it (the same translation of
 messages, tools and template settings), without generating.
@@ -19,7 +19,7 @@ from specprefill_server.anthropic_api import MessagesRequest, messages_call
 from specprefill_server.openai_api import ChatRequest, chat_call
 from specprefill_server.responses_api import ResponsesRequest, chat_request
 
-FIXTURES = Path(__file__).parent.parent / "tests" / "fixtures" / "clients"
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "clients"
 
 
 async def prompt_tokens(state, path: str, body: dict) -> int:
