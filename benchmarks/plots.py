@@ -193,11 +193,12 @@ def citations() -> dict:
                 in_fence = not in_fence
             elif not in_fence and re.match(r"#{1,6} ", line):
                 heading = line.lstrip("#").strip()
-            for name in re.findall(r"results/([\w.+-]+\.(?:json|jsonl|png))", line):
+            for pattern in re.findall(r"results/([\w.+*-]+\.(?:jsonl|json|png))", line):
                 where = f"{page.relative_to(ROOT)}: {heading}"
-                cited.setdefault(name, [])
-                if where not in cited[name]:
-                    cited[name].append(where)
+                for file in RESULTS.glob(pattern):  # a name, or a pattern citing several
+                    cited.setdefault(file.name, [])
+                    if where not in cited[file.name]:
+                        cited[file.name].append(where)
     return cited
 
 
