@@ -50,8 +50,8 @@ def _save(figure, axes, path: Path, legend_size: int = 8) -> None:
 
 
 def plot_ttft(rows: list, path: Path, title: str) -> None:
-    """One line per method; gpu_ttft.py's component rows (N=..., scoring, draft, before)
-    are left out and its SpecPrefill rows' ideal drawn dashed."""
+    """One line per method; ttft.py's component rows (N=..., scoring, draft prefill) are
+    left out and its SpecPrefill rows' ideal drawn dashed."""
     figure, axes = plt.subplots(figsize=(7, 4.5))
     skip = ("N=", "scoring", "draft prefill", "(before)")
     for method in dict.fromkeys(r["method"] for r in rows):
