@@ -144,7 +144,7 @@ def copy_demo_tokenizer(path: Path) -> None:
 # holds vllm_mlx and mlx_lm 0.31 (`site`): it goes first on PYTHONPATH.
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_MLX_ENV = ROOT / ".bench-venv" / "vllm-mlx"
-RUNNER = Path(__file__).resolve().parent / "vllm_mlx_runner.py"
+RUNNER = "import sys, vllm_mlx_runner; sys.exit(vllm_mlx_runner.main())"  # run in this folder
 
 
 def _vllm_mlx_python() -> str:
@@ -176,7 +176,8 @@ def run_vllm_mlx(job: dict, site: Optional[str] = None) -> dict:
             env["LD_PRELOAD"] = blas  # the same BLAS our side uses, for a fair timing
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(job, f)
-        run = subprocess.run([python, str(RUNNER), f.name], capture_output=True, text=True, env=env)
+        run = subprocess.run([python, "-c", RUNNER, f.name], capture_output=True, text=True,
+                             env=env, cwd=Path(__file__).resolve().parent)
         os.unlink(f.name)
         if run.returncode != 0:
             return {"error": run.stderr.strip().splitlines()[-1] if run.stderr.strip() else

@@ -77,7 +77,3 @@ def main() -> int:
     json.dump({"mlx_lm": __import__("mlx_lm").__version__, "position_error": probe,
                "results": results}, sys.stdout)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
