@@ -88,26 +88,21 @@ SHAPES = {
     "qwen3-32b": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=25600,
                       num_attention_heads=64, num_key_value_heads=8, head_dim=128),
 }
-# a Qwen3-Next-like hybrid of ~8B parameters: GatedDeltaNet layers with a gated
-# attention layer every fourth, dense MLPs (no experts), partial rotary
+# a Qwen3-Next-like hybrid: GatedDeltaNet layers with a gated attention layer every
+# fourth, dense MLPs (no experts), partial rotary
+_HYBRID = dict(linear_conv_kernel_dim=4, num_experts=0, num_experts_per_tok=1,
+               decoder_sparse_step=1, shared_expert_intermediate_size=0, mlp_only_layers=[],
+               moe_intermediate_size=0, partial_rotary_factor=0.25, full_attention_interval=4)
 HYBRID_SHAPES = {
     "qwen3-next-8b": dict(hidden_size=4096, num_hidden_layers=36, intermediate_size=12288,
                           num_attention_heads=16, num_key_value_heads=2, head_dim=256,
                           linear_num_value_heads=32, linear_num_key_heads=16,
-                          linear_key_head_dim=128, linear_value_head_dim=128,
-                          linear_conv_kernel_dim=4, num_experts=0, num_experts_per_tok=1,
-                          decoder_sparse_step=1, shared_expert_intermediate_size=0,
-                          mlp_only_layers=[], moe_intermediate_size=0,
-                          partial_rotary_factor=0.25, full_attention_interval=4),
+                          linear_key_head_dim=128, linear_value_head_dim=128, **_HYBRID),
     # the same layout at CPU scale, next to the plain "qwen3-small" shape
     "qwen3-next-small": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
                              num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                              linear_num_value_heads=8, linear_num_key_heads=4,
-                             linear_key_head_dim=64, linear_value_head_dim=64,
-                             linear_conv_kernel_dim=4, num_experts=0, num_experts_per_tok=1,
-                             decoder_sparse_step=1, shared_expert_intermediate_size=0,
-                             mlp_only_layers=[], moe_intermediate_size=0,
-                             partial_rotary_factor=0.25, full_attention_interval=4),
+                             linear_key_head_dim=64, linear_value_head_dim=64, **_HYBRID),
 }
 
 
