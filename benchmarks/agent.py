@@ -1,7 +1,7 @@
 """The users' job: a scripted agent loop, one growing prompt, served side by side by
 mlx-lm with its own prompt cache and by the engine three ways.
 
-Context: system prompt + tool definitions + retrieved documents (`--tokens`), then
+Context: system prompt + tool definitions + retrieved documents (`--lengths`), then
 `--steps` steps, each appending the last reply, a tool result of 200-500 tokens and a
 question about another fact of the documents (`demo_tasks.make_agent_session`). Between
 a reply and the next request the agent runs its tool for `--tool-seconds`; each reply
@@ -10,7 +10,7 @@ models answer, then go on). Per step: time to first token, decode time, wall tim
 two), tokens through the draft and the target, what reuse chose, whether the answer is
 right (the reply starts with it); per row, the loop's wall time and critical-path
 prefill (tool time excluded), and both projected to a Mac from the token counts
-(`mac_projection.py`, labelled projected). Rows:
+(common.py's M3 Pro rates, labelled projected). Rows:
 - mlx-lm + prompt cache: `generate_step` with mlx-lm's own `LRUPromptCache` (its
   server's: the nearest cached prefix, trimmed where the cache can be; as its server
   keeps segment ends, a copy at the prompt's end and the cache after the reply);
@@ -23,10 +23,10 @@ prefill (tool time excluded), and both projected to a Mac from the token counts
 Each session runs every row in turn (the order rotating from session to session), each
 on a fresh engine (or cache) warmed up first.
 
-    .venv/bin/python benchmarks/agent.py --tokens 6000 --sessions 2 --json docs/agent-cpu.json
-    python benchmarks/agent.py --target-shape qwen3-8b --tokens 32000 --sessions 1 \\
+    python benchmarks/agent.py --lengths 6000 --repeats 2 --json agent-cpu.json
+    python benchmarks/agent.py --shape qwen3-8b --lengths 32000 --repeats 1 \\
         --tool-seconds 2 --reply-tokens 150 --json agent-gpu.json             # GPU timing
-    python benchmarks/agent.py --target-shape qwen3-next-8b --tokens 32000 ...  # a hybrid
+    python benchmarks/agent.py --shape qwen3-next-8b --lengths 8000 ...       # a hybrid
 """
 
 import argparse
@@ -48,8 +48,9 @@ from specprefill_engine.demo_tasks import make_agent_session
 from specprefill_engine.engine.policy import shape_of
 from specprefill_engine.loading import DEMO_DRAFT, DEMO_TARGET, load_model
 
-import mac_projection
-from random_models import add_pair_arguments, random_pair
+from common import (
+    MAC_REFERENCE, add_model_arguments, add_run_arguments, mac_turn_s, model_folders, write_json,
+)
 
 METHODS = {
     "mlx-lm + prompt cache": None,
@@ -177,7 +178,7 @@ def run(args) -> list:
             for step, row in enumerate(session_rows):
                 row.update(method=name, session=session_index, step=step + 1,
                            correct=row["reply"].strip().startswith(session.answers[step]),
-                           mac_projected=mac_projection.turn_s(*shapes, row))
+                           mac_projected=mac_turn_s(*shapes, row))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
@@ -211,17 +212,16 @@ def summary(rows: list, steps: int, methods: list) -> dict:
             "wall_s": total("wall"), "decode_s": total("decode"),
             "mac_projected_wall_s": total("mac_projected_wall"),
             "mac_projected_critical_path_s": total("mac_projected_ttft"),
-            "mac_reference": mac_projection.REFERENCE, "accuracy": accuracy}
+            "mac_reference": MAC_REFERENCE, "accuracy": accuracy}
 
 
-def main():
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", help="target model path (default: the demo target)")
-    parser.add_argument("--draft", help="draft model path (default: the demo draft)")
-    add_pair_arguments(parser)
-    parser.add_argument("--tokens", type=int, default=6000)
+    add_model_arguments(parser)
+    add_run_arguments(parser, lengths=[6000], repeats=2, one_length=True,
+                      what="the context's tokens before the first step",
+                      repeats_what="sessions (each runs every row, the order rotating)")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--sessions", type=int, default=2)
     parser.add_argument("--tool-seconds", type=float, default=0.0,
                         help="the agent's tool time between a reply and the next request")
     parser.add_argument("--reply-tokens", type=int, default=12, help="tokens per reply")
@@ -235,19 +235,17 @@ def main():
     parser.add_argument("--cache-gb", type=float,
                         help="each prefix cache's budget (default: the engine's)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
-    parser.add_argument("--json", help="write rows and the summary here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.step_size is None:
         args.step_size = 256 if mx.default_device() == mx.cpu else 2048
-    if args.target_shape:
-        args.target, args.draft = random_pair(args)
+    args.target, args.draft = model_folders(args)
+    args.tokens, args.sessions = args.lengths[0], args.repeats
     rows = run(args)
     result = summary(rows, args.steps, args.methods)
     print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "summary": result,
-                                               "args": vars(args)}, indent=2))
+    write_json(args.json, {"rows": rows, "summary": result, "args": vars(args)})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

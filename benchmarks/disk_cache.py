@@ -2,7 +2,7 @@
 recomputed, with the read rate and the cost model's pick; and what 8- or 4-bit storage
 of the KV does to answers.
 
-An agent session (`demo_tasks.make_agent_session`: documents of `--tokens` tokens, then
+An agent session (`demo_tasks.make_agent_session`: documents of `--lengths` tokens, then
 a tool result of 200-500 tokens and a question per step) runs its first step in one
 engine, which keeps that turn on disk and shuts down. Rows for the second step, each
 in a new engine (the restart) that first answers a short unrelated prompt (a process's
@@ -24,14 +24,9 @@ first forward pays one-time costs, kernel compiles on a GPU):
 sessions per storage (exact, 8-bit, 4-bit): the second step's answer after a restart,
 right or wrong, and its greedy tokens against the exact restore's.
 
-    .venv/bin/python benchmarks/disk_cache.py --tokens 6144 --bits 0 8 4 --runs 3 \\
-        --json docs/disk-cache-cpu.json
-    .venv/bin/python benchmarks/disk_cache.py --tokens 2048 --quality 20 --no-timing \\
-        --json docs/disk-cache-quality-cpu.json
-    python benchmarks/disk_cache.py --target-shape qwen3-8b --tokens 8192 --bits 0 8 \\
-        --json docs/disk-cache-gpu-8k.json                                      # H200
-    python benchmarks/disk_cache.py --target-shape qwen3-8b --tokens 32768 --bits 0 8 \\
-        --json docs/disk-cache-gpu-32k.json
+    python benchmarks/disk_cache.py --lengths 6144 --bits 0 8 4 --repeats 3 --json disk-cpu.json
+    python benchmarks/disk_cache.py --lengths 2048 --quality 20 --no-timing --json disk-quality.json
+    python benchmarks/disk_cache.py --shape qwen3-8b --lengths 8192 32768 --bits 0 8   # a GPU
 """
 
 import argparse
@@ -51,7 +46,7 @@ from specprefill_engine.demo_tasks import make_agent_session
 from specprefill_engine.engine.disk_cache import FOLDER
 from specprefill_engine.loading import DEMO_TARGET
 
-from random_models import add_pair_arguments, random_pair
+from common import add_model_arguments, add_run_arguments, model_folders, write_json
 
 NEW_TOKENS = 12
 FORCE_READ = 1e15  # bytes/s: every read predicted faster than any prefill
@@ -277,38 +272,37 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_pair_arguments(parser)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[6144])
+    add_model_arguments(parser, draft=False)
+    add_run_arguments(parser, lengths=[6144], repeats=1,
+                      what="the conversation's tokens before the next turn",
+                      repeats_what="restarts per row (the best counts)")
     parser.add_argument("--bits", type=int, nargs="+", default=[0], choices=[0, 4, 8],
                         help="KV storage for the restore rows (0: as computed)")
-    parser.add_argument("--runs", type=int, default=1, help="restarts per row (the best counts)")
     parser.add_argument("--quality", type=int, default=0, help="sessions per storage")
     parser.add_argument("--no-timing", action="store_true", help="only --quality")
-    parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print saved runs' tables")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.table:
         for path in args.table:
             print(table(json.loads(Path(path).read_text())["rows"]) + "\n")
-        return
-    target, _ = random_pair(args)
+        return 0
+    target, _ = model_folders(args)
     paths = (target or str(DEMO_TARGET), None)  # every row is dense: no draft to load
     work = Path(tempfile.mkdtemp(prefix="specprefill-disk-"))
     os.environ["SPECPREFILL_CACHE_DIR"] = str(work / "home")  # the cost model starts empty
     log(f"files under {work} (removed at the end); device {mx.default_device()}")
     rows = []
-    for tokens in [] if args.no_timing else args.tokens:
-        rows += timing(paths, tokens, args.bits, work, args.runs)
+    for tokens in [] if args.no_timing else args.lengths:
+        rows += timing(paths, tokens, args.bits, work, args.repeats)
     if args.quality:
-        rows += quality(paths, args.tokens[0], args.quality, work)
+        rows += quality(paths, args.lengths[0], args.quality, work)
     shutil.rmtree(work, ignore_errors=True)  # its files: hundreds of MB, GBs on a GPU
     print(table(rows), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows},
-                                              indent=2))
+    write_json(args.json, {"rows": rows})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

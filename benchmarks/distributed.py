@@ -9,7 +9,7 @@ both. Everything runs through the real `Engine` API, as a script would use it:
   (`generate(ids, max_tokens=1, specprefill=..., keep=..., cache_prompt=False)`, the
   Result's `timings.time_to_first_token`, also scoring and prefill seconds): one
   warm-up request per (length, method) first (a GPU compiles kernels on a shape's first
-  forward), then the median of `--runs`, each on a fresh random prompt;
+  forward), then the median of `--repeats`, each on a fresh random prompt;
 - decode tokens/s for `--streams` concurrent streams of `--new-tokens` tokens
   (ignore_eos, greedy, `--decode-prompt`-token prompts): the Results' per-stream
   `decode_tokens_per_s` and, for several streams, the aggregate rate over the window in
@@ -32,8 +32,8 @@ rank r `CUDA_VISIBLE_DEVICES=r` and the NCCL rendezvous variables; every other v
 NCCL_NVLS_ENABLE included, is inherited), else ring. Running it under `mlx.launch`
 yourself works as well. On a CPU, small shapes test the whole path:
 
-    python benchmarks/distributed.py --target tiny --draft tiny --lengths 1024 \\
-        --new-tokens 16 --runs 1 --launch 2 --json /tmp/d.json
+    python benchmarks/distributed.py --shape tiny --draft-shape tiny --lengths 1024 \\
+        --new-tokens 16 --repeats 1 --launch 2 --json /tmp/d.json
 
 What is patched, and why: the 32B target's weights are never written to disk (64 GB)
 nor read from it. The script writes, per model, a directory holding a `config.json`
@@ -76,15 +76,10 @@ import mlx_lm.utils
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from gpu_ttft import SHAPES as GPU_SHAPES
 from specprefill_engine import Engine
 from specprefill_engine.loading import DEMO_TARGET
 
-SHAPES = {
-    **GPU_SHAPES,
-    "qwen3-32b": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=25600,
-                      num_attention_heads=64, num_key_value_heads=8, head_dim=128),
-}
+from common import SHAPES, add_run_arguments
 MARK = "specprefill_benchmark_random"  # config.json key of the directories built here
 VOCAB = 4096  # the demo tokenizer's
 GB = 1e9
@@ -263,24 +258,24 @@ def follower_rows(report: Report, ranks: int, wait: float = 60.0) -> None:
 
 
 async def run(args, root: Path) -> None:
-    target = model_dir(root, "target", args.target)
-    draft = model_dir(root, "draft", args.draft)
+    target = model_dir(root, "target", args.shape)
+    draft = model_dir(root, "draft", args.draft_shape)
     engine = Engine(model=target, draft=draft)
     report = Report(args.json if engine.rank == 0 else None, engine.ranks)
     try:
         async with engine:  # on a rank > 0: serves rank 0, then SystemExit(0)
             report.add("setup", device=str(mx.default_device()), mlx=mx.__version__,
-                       target=args.target, draft=args.draft, step_size=engine.info.step_size,
-                       batching=engine.info.batching, runs=args.runs,
+                       target=args.shape, draft=args.draft_shape, step_size=engine.info.step_size,
+                       batching=engine.info.batching, runs=args.repeats,
                        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                        nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"))
             report.add("memory", **memory(0, "loaded"))
             for length in args.lengths:
                 for keep in [None, *args.keeps]:
-                    await ttft(engine, report, length, keep, args.runs)
+                    await ttft(engine, report, length, keep, args.repeats)
             for streams in args.streams:
                 await decode(engine, report, streams, args.decode_prompt, args.new_tokens,
-                             args.runs)
+                             args.repeats)
             report.add("memory", **memory(0, "end"))
     except SystemExit:
         if engine.rank:  # rank 0 shut down: this rank's memory, for rank 0's rows
@@ -317,15 +312,15 @@ def launch(args, argv: list) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default="qwen3-32b", choices=sorted(SHAPES))
-    parser.add_argument("--draft", default="qwen3-0.6b", choices=sorted(SHAPES))
-    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--shape", default="qwen3-32b", choices=sorted(SHAPES),
+                        help="the random-weight target's shape")
+    parser.add_argument("--draft-shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    add_run_arguments(parser, lengths=[8192, 32768], repeats=2,
+                      repeats_what="measured runs after a warm-up (medians reported)")
     parser.add_argument("--keeps", type=float, nargs="*", default=[0.1, 0.3])
-    parser.add_argument("--runs", type=int, default=2, help="measured runs after a warm-up")
     parser.add_argument("--streams", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--decode-prompt", type=int, default=512, help="decode prompts' tokens")
-    parser.add_argument("--json", help="write the rows here (rank 0)")
     parser.add_argument("--launch", type=int, help="run under mlx.launch with this many ranks")
     parser.add_argument("--backend", help="with --launch: nccl (CUDA) or ring (default: "
                         "nccl when CUDA is available)")

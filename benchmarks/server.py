@@ -1,8 +1,8 @@
 """What the HTTP server costs: streams through it with the `openai` client against the
 same streams from `engine.stream` directly, in one run.
 
-Workloads: 16 concurrent streams and 1 stream (passkey chats of `--prompt-tokens`
-tokens, `--tokens` new tokens each, greedy, EOS ignored so every stream makes all its
+Workloads: 16 concurrent streams and 1 stream (passkey chats of `--lengths`
+tokens, `--new-tokens` new tokens each, greedy, EOS ignored so every stream makes all its
 tokens). Each repeat runs a workload on both sides, the side that goes first
 alternating: directly, `engine.stream` consumers on this process's event loop; through
 the server, a uvicorn server on 127.0.0.1 in this process (its own thread and loop)
@@ -22,8 +22,8 @@ and writes) and of the client process: the server's own cost, which other jobs o
 the machine do not stretch the way they stretch wall time (the worker's work is the
 same on both sides).
 
-    nice -n 19 .venv/bin/python benchmarks/server.py --json docs/server-cpu.json
-    python benchmarks/server.py --shape qwen3-8b --json out.json   # GPU, random weights
+    python benchmarks/server.py --repeats 10 --json server-cpu.json
+    python benchmarks/server.py --shape qwen3-8b --json server-gpu.json   # GPU, random weights
 """
 
 import argparse
@@ -35,17 +35,16 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
 import uvicorn
 
-from random_models import random_model_dir
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_case
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "integrations"))
-from specprefill_server import ServerConfig, create_app  # noqa: E402
+from specprefill_server import ServerConfig, create_app
+
+from common import add_model_arguments, add_run_arguments, model_folders, write_json
 
 
 async def timed(prompts: list, pieces) -> dict:
@@ -169,17 +168,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--client", help=argparse.SUPPRESS)  # the child process's mode
     parser.add_argument("--streams", type=int, nargs="+", default=[16, 1])
-    parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--shape", help="random-weight Qwen3 target of this shape (e.g. "
-                        "qwen3-8b), prefilled densely; default: the demo pair")
-    parser.add_argument("--json", help="write the rows here")
+    add_model_arguments(parser, draft=False)
+    add_run_arguments(parser, lengths=[128], repeats=6, one_length=True,
+                      what="each chat's prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per stream")
     args = parser.parse_args()
     if args.client:
         asyncio.run(client_main(args.client))
         return
-    engine = Engine(random_model_dir(args.shape)) if args.shape else Engine()
+    engine = Engine(model_folders(args)[0])
     engine.start_sync()
     server, thread, server_loop, base = start_server(engine)
     client = subprocess.Popen([sys.executable, __file__, "--client", base], text=True,
@@ -188,11 +185,11 @@ def main() -> None:
 
     def fresh(n: int) -> list:
         return [[dict(m) for m in make_case(tokenizer, next(seeds), "passkey",
-                                            args.prompt_tokens).messages] for _ in range(n)]
+                                            args.lengths[0]).messages] for _ in range(n)]
 
     def through_server(prompts: list) -> dict:
         cpu = loop_cpu(server_loop)
-        client.stdin.write(json.dumps({"prompts": prompts, "tokens": args.tokens}) + "\n")
+        client.stdin.write(json.dumps({"prompts": prompts, "tokens": args.new_tokens}) + "\n")
         client.stdin.flush()
         run = json.loads(client.stdout.readline())
         run["client_cpu"] = run.pop("process_cpu")
@@ -201,7 +198,7 @@ def main() -> None:
 
     through_server(fresh(2))  # warm both sides: the first requests pay one-time costs
     loop = asyncio.new_event_loop()  # one loop for every direct run, as one caller has
-    loop.run_until_complete(direct_run(engine, fresh(2), args.tokens))
+    loop.run_until_complete(direct_run(engine, fresh(2), args.new_tokens))
     rows = []
     for streams in args.streams:
         runs = {"direct": [], "server": []}
@@ -209,7 +206,7 @@ def main() -> None:
             order = ("direct", "server") if repeat % 2 == 0 else ("server", "direct")
             for side in order:
                 prompts = fresh(streams)
-                run = (loop.run_until_complete(direct_run(engine, prompts, args.tokens))
+                run = (loop.run_until_complete(direct_run(engine, prompts, args.new_tokens))
                        if side == "direct" else through_server(prompts))
                 runs[side].append(run)
                 print(f"{streams} streams, repeat {repeat}, {side}: "
@@ -234,8 +231,7 @@ def main() -> None:
               f"| {row['added_ttft_ms']:.1f} | {row['direct_path_ms']:.2f} / "
               f"{row['server_path_ms']:.2f} | {row['added_path_ms']:.2f} | "
               f"{cpu['direct']:.2f} / {cpu['server']:.2f} | {row['client_cpu_ms_per_token']:.2f} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    write_json(args.json, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

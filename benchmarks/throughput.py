@@ -22,9 +22,22 @@ penalty, and with one constrained row (`response_format` json_object), against a
 plain rows, the order rotating from repeat to repeat (a processor must not stop the
 batch's pipelining).
 
-    .venv/bin/python benchmarks/throughput.py                       # CPU, demo target
+With `--speculative K...`: speculative decoding with the SpecPrefill draft, one stream,
+greedy: mlx-lm's `speculative_generate_step` (the draft proposes K tokens, the target
+verifies them in one forward) against `generate_step`, on code answers ("write a function
+...") and tool calls (the first reply of `tool_agent.py`'s task, through the model's chat
+template with its tools), the sides alternating per prompt; or, with `--engine`, the
+engine's own `num_draft_tokens` against its plain decoding (the draft also computes a
+dense prompt's KV first: the TTFT column shows that cost). Per kind and K: decode
+tokens/s, the share of tokens taken from the draft, tokens per target forward, whether
+every reply equals plain decoding's, and a Mac projection of the speed-up (common.py:
+decode bound by the weights' bytes; projected, not measured). With `--shape`, random
+weights' proposals are all but never taken: that measures what a round costs.
+
+    python benchmarks/throughput.py                       # CPU, demo target
     python benchmarks/throughput.py --shape qwen3-8b --json out.json  # GPU, random weights
-    .venv/bin/python benchmarks/throughput.py --special-rows --streams 16 --repeats 5
+    python benchmarks/throughput.py --special-rows --streams 16 --repeats 5
+    python benchmarks/throughput.py --model T --draft D --speculative 2 3 --engine
 """
 
 import argparse
@@ -33,7 +46,6 @@ import importlib.util
 import json
 import statistics
 import time
-from pathlib import Path
 from typing import Optional
 
 import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
@@ -41,9 +53,18 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator, generate_step
 
-from random_models import random_model_dir
+from mlx_lm.generate import speculative_generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
 from specprefill_engine import Engine
-from specprefill_engine.loading import load_model
+from specprefill_engine.engine.policy import shape_of
+from specprefill_engine.loading import DEMO_DRAFT, DEMO_TARGET, load_model
+
+from common import (
+    MAC_REFERENCE, add_model_arguments, add_run_arguments, mac_decode_s, model_folders,
+    write_json,
+)
+from tool_agent import ASK, TOOLS, make_task
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list:
@@ -154,7 +175,7 @@ async def special_rows(engine, args, vocab: int) -> list:
     """16 streams: one penalized or constrained row against none. Each kind runs once
     before timing (its first use compiles); then the kinds alternate, the order rotating
     from repeat to repeat so none always runs first."""
-    batch = prompts(16, args.prompt, vocab, 16)
+    batch = prompts(16, args.lengths[0], vocab, 16)
     special = dict(SPECIAL_ROWS)
     if importlib.util.find_spec("llguidance") is None:  # not installed here: no grammar row
         del special["constrained"]
@@ -180,21 +201,21 @@ async def special_rows(engine, args, vocab: int) -> list:
 
 
 async def main_async(args) -> list:
-    path = random_model_dir(args.shape) if args.shape else None
+    path, _ = model_folders(args)
     vocab = 4000
     rows = []
     # at least 2: the stall measurement decodes one stream while another request prefills;
     # the special rows run 16 streams
     batch_size = max(*args.streams, 16 if args.special_rows else 2)
     async with Engine(model=path, draft=None, max_batch_size=batch_size) as engine:
-        warm = prompts(2, args.prompt, vocab, 99)
+        warm = prompts(2, args.lengths[0], vocab, 99)
         await engine_run(engine, warm, 8)
         if args.special_rows:
             return await special_rows(engine, args, vocab)
         model, _ = load_model(path) if path else load_model()
         mlx_lm_batch_run(model, warm, 8)
         for n in args.streams:
-            batch = prompts(n, args.prompt, vocab, n)
+            batch = prompts(n, args.lengths[0], vocab, n)
             runs = {"engine": [], "mlx_lm_batch": [], "mlx_lm_generate_step": []}
             for _ in range(args.repeats):  # alternating, so drifts hit every side alike
                 runs["engine"].append(await engine_run(engine, batch, args.new_tokens))
@@ -223,29 +244,225 @@ async def main_async(args) -> list:
     return rows
 
 
-def decode_arguments(doc: str, repeats: int) -> argparse.ArgumentParser:
-    """The options the decode benchmarks share (this one, single_stream, step_host_time)."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--shape", help="random-weight Qwen3 shape (e.g. qwen3-8b); default: demo target")
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=repeats,
-                        help="runs per measurement and side, alternating; medians reported")
-    parser.add_argument("--json", help="write the results here")
-    return parser
+CODE = [
+    "Write a Python function `merge_intervals(intervals)` that merges overlapping "
+    "intervals given as (start, end) tuples and returns them sorted.",
+    "Write a Python class `LRUCache` with `get(key)` and `put(key, value)` in O(1), "
+    "using `collections.OrderedDict`.",
+    "Write a Python function that parses a line of a CSV file with quoted fields "
+    "(commas inside quotes) without the csv module.",
+    "Write an asyncio function `fetch_all(urls, limit)` that downloads the URLs with "
+    "aiohttp, at most `limit` at a time, and returns the bodies in order.",
+    "Write a Python function `topological_sort(graph)` for a dict of node -> list of "
+    "dependencies; raise ValueError on a cycle.",
+    "Write a pytest test module for a function `slugify(text)` that lowercases, strips "
+    "accents and joins words with hyphens.",
+    "Write a Python dataclass `Money` with currency and amount (Decimal), addition that "
+    "refuses mixed currencies, and a `__str__`.",
+    "Write a Python function that reads a large log file line by line and returns the "
+    "ten most frequent IP addresses.",
+]
 
 
-def main():
-    parser = decode_arguments(__doc__, repeats=3)
+def reply_prompts(tokenizer, kind: str, count: int) -> list:
+    if kind == "code":
+        return [tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                              add_generation_prompt=True)
+                for text in (CODE * (count // len(CODE) + 1))[:count]]
+    out = []
+    for index in range(count):
+        task = make_task(tokenizer, seed=7, index=index, n_tokens=600, n_files=3)
+        messages = [{"role": "user", "content": ASK + task.questions[0][0]}]
+        out.append(tokenizer.apply_chat_template(messages, tools=TOOLS,
+                                                 add_generation_prompt=True))
+    return out
+
+
+def decode(steps, tokens: int) -> dict:
+    """Run a generator of mlx-lm steps; time from the first token to the last."""
+    out, drafted, first = [], [], None
+    for step in steps:
+        token, from_draft = step[0], step[2] if len(step) > 2 else False
+        if first is None:
+            first = time.perf_counter()
+        out.append(int(token))
+        drafted.append(bool(from_draft))
+        if len(out) >= tokens:
+            break
+    seconds = time.perf_counter() - first
+    return {"tokens": out, "drafted": drafted, "tok_s": (len(out) - 1) / max(seconds, 1e-9)}
+
+
+def plain(model, prompt: list, tokens: int) -> dict:
+    cache = make_prompt_cache(model)
+    return decode(generate_step(mx.array(prompt), model, prompt_cache=cache,
+                                max_tokens=tokens), tokens)
+
+
+def speculative(model, draft, prompt: list, tokens: int, k: int) -> dict:
+    cache = make_prompt_cache(model) + make_prompt_cache(draft)
+    return decode(speculative_generate_step(mx.array(prompt), model, draft, prompt_cache=cache,
+                                            num_draft_tokens=k, max_tokens=tokens), tokens)
+
+
+def projected_speedup(target, draft, row: dict, k: int) -> float:
+    """Plain decode over speculative decode of the same tokens on a Mac, projected: each
+    round is k draft tokens and one target forward (a forward of k + 1 tokens reads the
+    weights once, as one token does)."""
+    n = len(row["tokens"])
+    rounds = n - sum(row["drafted"])  # each round ends with the target's own token
+    return (mac_decode_s(target, n)
+            / (rounds * (mac_decode_s(draft, k) + mac_decode_s(target, 1))))
+
+
+def engine_rows(args, tokenizer=None) -> list:
+    """Each prompt through one engine, plain then with each draft length, greedy."""
+    from specprefill_engine import Engine
+
+    rows = []
+    with Engine(model=args.target, draft=args.draft, densify="off") as engine:
+        tokenizer = engine.tokenizer
+        options = dict(max_tokens=args.new_tokens, ignore_eos=True, specprefill=False,
+                       cache_prompt=False)
+        warm = reply_prompts(tokenizer, "code", 1)[0]
+        for k in [0, *args.speculative]:
+            engine.generate_sync(warm, max_tokens=8, num_draft_tokens=k, **{
+                key: value for key, value in options.items() if key != "max_tokens"})
+        for repeat in range(args.repeats):
+            for kind in args.kinds:
+                for index, prompt in enumerate(reply_prompts(tokenizer, kind, args.prompts)):
+                    reference = engine.generate_sync(prompt, num_draft_tokens=0, **options)
+                    rows.append({"kind": kind, "prompt": index, "repeat": repeat, "k": 0,
+                                 "tok_s": reference.timings.decode_tokens_per_s,
+                                 "ttft": reference.timings.time_to_first_token})
+                    print(json.dumps(rows[-1]), flush=True)
+                    for k in args.speculative:
+                        run = engine.generate_sync(prompt, num_draft_tokens=k, **options)
+                        report = run.specprefill
+                        rounds = max(report.drafted_tokens // k, 1)
+                        rows.append({
+                            "kind": kind, "prompt": index, "repeat": repeat, "k": k,
+                            "tok_s": run.timings.decode_tokens_per_s,
+                            "ttft": run.timings.time_to_first_token,
+                            "drafted": report.accepted_tokens / len(run.token_ids),
+                            "per_forward": len(run.token_ids) / rounds,
+                            "same": run.token_ids == reference.token_ids,
+                            "plain_tok_s": reference.timings.decode_tokens_per_s,
+                            "plain_ttft": reference.timings.time_to_first_token})
+                        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def engine_table(args, rows: list) -> list:
+    table = []
+    for kind in args.kinds:
+        for k in args.speculative:
+            mine = [r for r in rows if r["kind"] == kind and r["k"] == k]
+            table.append({
+                "kind": kind, "k": k, "runs": len(mine),
+                "plain_tok_s": statistics.median(r["plain_tok_s"] for r in mine),
+                "speculative_tok_s": statistics.median(r["tok_s"] for r in mine),
+                "speedup": statistics.median(r["tok_s"] / r["plain_tok_s"] for r in mine),
+                "drafted": statistics.mean(r["drafted"] for r in mine),
+                "per_forward": statistics.mean(r["per_forward"] for r in mine),
+                "all_same": all(r["same"] for r in mine),
+                "ttft_ratio": statistics.median(r["ttft"] / r["plain_ttft"] for r in mine)})
+    print("| kind | draft tokens | plain tok/s | speculative tok/s | speed-up | from the draft "
+          "| tokens per target forward | same tokens | TTFT, speculative / plain |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for t in table:
+        print(f"| {t['kind']} | {t['k']} | {t['plain_tok_s']:.1f} | {t['speculative_tok_s']:.1f} "
+              f"| {t['speedup']:.2f}x | {t['drafted']:.0%} | {t['per_forward']:.2f} "
+              f"| {'yes' if t['all_same'] else 'no'} | {t['ttft_ratio']:.2f}x |")
+    return table
+
+
+def speculative_main(args) -> None:
+    if args.engine:
+        rows = engine_rows(args)
+        table = engine_table(args, rows)
+        write_json(args.json, {"rows": rows, "table": table, "args": vars(args)})
+        return
+    model, tokenizer = load_model(args.target)  # float32 on a CPU, as the engine runs it
+    draft, _ = load_model(args.draft)
+    shapes = shape_of(model), shape_of(draft)
+    plain(model, reply_prompts(tokenizer, "code", 1)[0], 8)  # warm up both paths
+    speculative(model, draft, reply_prompts(tokenizer, "code", 1)[0], 8, args.speculative[0])
+    rows = []
+    for repeat in range(args.repeats):
+        for kind in args.kinds:
+            for index, prompt in enumerate(reply_prompts(tokenizer, kind, args.prompts)):
+                reference = plain(model, prompt, args.new_tokens)
+                rows.append({"kind": kind, "prompt": index, "repeat": repeat, "k": 0,
+                             "tok_s": reference["tok_s"], "tokens": len(reference["tokens"])})
+                for k in args.speculative:
+                    run = speculative(model, draft, prompt, args.new_tokens, k)
+                    rows.append({
+                        "kind": kind, "prompt": index, "repeat": repeat, "k": k,
+                        "tok_s": run["tok_s"], "tokens": len(run["tokens"]),
+                        "drafted": sum(run["drafted"]) / len(run["drafted"]),
+                        "per_forward": len(run["tokens"]) / (len(run["tokens"])
+                                                             - sum(run["drafted"])),
+                        "same": run["tokens"] == reference["tokens"][: len(run["tokens"])],
+                        "mac_projected_speedup": projected_speedup(*shapes, run, k),
+                        "plain_tok_s": reference["tok_s"]})
+                print(json.dumps(rows[-1]), flush=True)
+    table = []
+    for kind in args.kinds:
+        base = [r["tok_s"] for r in rows if r["kind"] == kind and r["k"] == 0]
+        for k in args.speculative:
+            mine = [r for r in rows if r["kind"] == kind and r["k"] == k]
+            table.append({
+                "kind": kind, "k": k, "runs": len(mine),
+                "plain_tok_s": statistics.median(base),
+                "speculative_tok_s": statistics.median(r["tok_s"] for r in mine),
+                "speedup": statistics.median(r["tok_s"] / r["plain_tok_s"] for r in mine),
+                "drafted": statistics.mean(r["drafted"] for r in mine),
+                "per_forward": statistics.mean(r["per_forward"] for r in mine),
+                "all_same": all(r["same"] for r in mine),
+                "mac_projected_speedup": statistics.median(r["mac_projected_speedup"]
+                                                           for r in mine)})
+    print("| kind | draft tokens | plain tok/s | speculative tok/s | speed-up | from the draft "
+          "| tokens per target forward | same tokens | Mac, projected |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for t in table:
+        print(f"| {t['kind']} | {t['k']} | {t['plain_tok_s']:.1f} | {t['speculative_tok_s']:.1f} "
+              f"| {t['speedup']:.2f}x | {t['drafted']:.0%} | {t['per_forward']:.2f} "
+              f"| {'yes' if t['all_same'] else 'no'} | {t['mac_projected_speedup']:.2f}x |")
+    write_json(args.json, {"rows": rows, "table": table, "mac_reference": MAC_REFERENCE,
+                           "args": vars(args)})
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    add_run_arguments(parser, lengths=[512], repeats=3, one_length=True,
+                      what="prompt tokens per stream")
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help="tokens per request (default: 128; 160 with --speculative)")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--long-prompt", type=int, default=8192)
     parser.add_argument("--special-rows", action="store_true",
                         help="only: 16 streams with one penalized / constrained row vs none")
-    args = parser.parse_args()
+    parser.add_argument("--speculative", type=int, nargs="+", metavar="K",
+                        help="only: speculative decoding, K draft tokens a round, against plain")
+    parser.add_argument("--kinds", nargs="+", default=["code", "tool"],
+                        help="with --speculative: the replies' kinds")
+    parser.add_argument("--prompts", type=int, default=8, help="with --speculative: per kind")
+    parser.add_argument("--engine", action="store_true",
+                        help="with --speculative: the engine's num_draft_tokens, not mlx-lm's")
+    args = parser.parse_args(argv)
+    if args.speculative:
+        args.new_tokens = args.new_tokens or 160
+        args.target, args.draft = model_folders(args)
+        args.target, args.draft = args.target or str(DEMO_TARGET), args.draft or str(DEMO_DRAFT)
+        speculative_main(args)
+        return 0
+    args.new_tokens = args.new_tokens or 128
     rows = asyncio.run(main_async(args))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    write_json(args.json, rows)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -3,7 +3,7 @@
 served side by side by mlx-lm with its own prompt cache and by the engine.
 
 The repository (deterministic from `--seed` and the task) is `--files` Python modules
-of similar functions, `--tokens` tokens in all; one function holds the answer to the
+of similar functions, `--lengths` tokens in all; one function holds the answer to the
 task's question: "what constant does `compute_x` add?" or "which function calls
 `helper_y`?", asked after "Look in the repository with the tools." (no system prompt
 of ours: `--system`). With `--questions N` a loop asks N such questions one after
@@ -31,15 +31,13 @@ prompt and tools cached), the order rotating from task to task:
 Per turn: TTFT, decode, wall, prompt tokens, tokens through the draft and the target,
 what reuse chose and the reuse gate's coverage; per loop: tool calls, valid ones
 (parsed, a declared name, schema-valid arguments), turns, the answers right,
-and a Mac projection of the turns from their token counts (`mac_projection.py`,
-projected, not measured).
+and a Mac projection of the turns from their token counts (common.py's M3 Pro
+rates, projected, not measured).
 
-    python benchmarks/tool_agent.py --target PATH --draft PATH --tasks 2 --tokens 1500 \\
+    python benchmarks/tool_agent.py --model PATH --draft PATH --repeats 2 --lengths 1500 \\
         --turns 6 --reply-tokens 96 --json tool-agent-cpu.json        # this CPU
-    python benchmarks/tool_agent.py --target PATH --draft PATH --tasks 8 --tokens 48000 \\
-        --tool-seconds 1 --json tool-agent-gpu.json                   # GPU, 4-bit MLX
-    python benchmarks/tool_agent.py --target PATH --draft PATH --tasks 4 --tokens 24000 \\
-        --files 8 --questions 10 --turns 3 --json tool-session-gpu.json  # 16-32K by the end
+    python benchmarks/tool_agent.py --model PATH --draft PATH --repeats 2 --lengths 24000 \\
+        --files 8 --questions 10 --scripted-reads --turns 2 --json tool-agent-gpu.json
     python benchmarks/tool_agent.py --table tool-agent-cpu.json       # the tables again
 """
 
@@ -64,10 +62,12 @@ from specprefill_engine.engine.policy import shape_of
 from specprefill_engine.engine.runtime import default_step_size
 from specprefill_engine.engine.events import TextEvent, ToolCallEvent
 from specprefill_engine.engine.tool_calls import OutputParser
-from specprefill_engine.loading import load_model
+from specprefill_engine.loading import DEMO_DRAFT, DEMO_TARGET, load_model
 
-import mac_projection
 from agent import engine_turn, mlx_lm_turn
+from common import (
+    MAC_REFERENCE, add_model_arguments, add_run_arguments, mac_turn_s, model_folders, write_json,
+)
 
 METHODS = {
     "mlx-lm": None,
@@ -345,7 +345,7 @@ def run(args) -> tuple:
                         time.sleep(0.05)
                     turns, loop = agent_loop(ask, tokenizer, task, args, limits)
             for row in turns:
-                row.update(method=name, task=index, mac_projected=mac_projection.turn_s(*shapes, row))
+                row.update(method=name, task=index, mac_projected=mac_turn_s(*shapes, row))
                 turn_rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "reply"}), flush=True)
             loop.update(method=name, task=index, kinds=[q[2] for q in task.questions],
@@ -429,13 +429,13 @@ def tables(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", help="target model folder (its template must show tools)")
-    parser.add_argument("--draft", help="draft model folder")
-    parser.add_argument("--tasks", type=int, default=4)
+    add_model_arguments(parser)
+    add_run_arguments(parser, lengths=[2000], repeats=4, one_length=True,
+                      what="the repository's size in tokens",
+                      repeats_what="tasks (loops), each a repository and its questions")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokens", type=int, default=2000, help="the repository's size in tokens")
     parser.add_argument("--files", type=int, default=3, help="modules in the repository")
     parser.add_argument("--questions", type=int, default=1,
                         help="questions per loop, one after another in one conversation")
@@ -449,27 +449,27 @@ def main():
     parser.add_argument("--step-size", type=int, default=None,
                         help="mlx-lm's prefill unit (default: the engine's, 256 CPU / 2048 GPU)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
-    parser.add_argument("--json", help="write turns, loops and the summary here")
     parser.add_argument("--table", help="print the tables of a saved --json run and exit")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.table:
         print(tables(json.loads(Path(args.table).read_text())))
-        return
-    if not (args.target and args.draft):
-        parser.error("--target and --draft are required")
+        return 0
+    args.target, args.draft = model_folders(args)
+    args.target, args.draft = args.target or str(DEMO_TARGET), args.draft or str(DEMO_DRAFT)
+    args.tokens, args.tasks = args.lengths[0], args.repeats
     if not 1 <= args.files <= len(MODULES):
         parser.error(f"--files must be in [1, {len(MODULES)}]")
     args.step_size = args.step_size or default_step_size()
     started = time.perf_counter()
     turns, loops = run(args)
     result = {"summary": summary(loops, args.methods), "loops": loops, "turns": turns,
-              "mac_reference": mac_projection.REFERENCE, "args": vars(args),
+              "mac_reference": MAC_REFERENCE, "args": vars(args),
               "run_s": time.perf_counter() - started}
     print(json.dumps(result["summary"], indent=2))
     print(tables(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

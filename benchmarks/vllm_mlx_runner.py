@@ -1,6 +1,6 @@
 """Runs vllm-mlx 0.6.0's published SpecPrefill functions on a job, in vllm-mlx's own
 environment (it pins mlx-lm < 0.32, so it cannot share ours). Started by
-`benchmarks/peers.py`; reads a job JSON file, writes results JSON to stdout.
+`benchmarks/common.py` (`run_vllm_mlx`); reads a job JSON file, writes results JSON to stdout.
 
 For each case and keep: score with the draft (greedy lookahead, as ours), select,
 sparse-prefill the target, then greedy-decode; time to the first token is measured
@@ -77,7 +77,3 @@ def main() -> int:
     json.dump({"mlx_lm": __import__("mlx_lm").__version__, "position_error": probe,
                "results": results}, sys.stdout)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """The agent CLIs' own requests, replayed: request bodies captured from the real Claude
 Code, Codex, OpenCode, aider, `llm` and the OpenAI Agents SDK (`tests/fixtures/clients/`,
-captured by `benchmarks/clients.sh` through `benchmarks/capture.py`; README there),
+captured by `tests/clients/clients.sh` through `tests/clients/capture.py`; README there),
 each sent as it was to a real uvicorn serving a tiny random-weight model with a 64K
 window (`models.save_long_context_model`: Claude Code's ~28K-token prompt does not fit
 the demo pair's 16K). Each must give a 200, a stream in its API's event grammar (every

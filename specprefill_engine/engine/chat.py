@@ -14,7 +14,7 @@ a tokenizer without offsets (a slow one) leaves every start unknown.
 
 A prefix render costs about what the whole render costs (a template's cost is per
 message), so starts for every message cost n renders of up to n messages, quadratic
-in a long agent chat (`benchmarks/render.py`, docs/benchmarks.md).
+in a long agent chat (measured by a one-off benchmark, now in git's history).
 By default only the starts that are used are rendered: the end of a leading system
 message, the newest user or tool message (protected segments), the generation
 prompt, and the last `window` messages; the others are None.
