@@ -4,8 +4,8 @@ A request's prefill depends on its prompt and settings, but the automatic policy
 reads what the engine has learned (the cost model, the draft check), and a conversation's
 next turn reuses the view its previous turn kept. Both change with history. So the first
 decision for a request is kept here, keyed by what makes it the same request (its prompt
-tokens, `specprefill`, `keep`, `threshold`): dense, or the positions the target kept, in
-the order they were fed. A later identical request follows it: dense again, or the same
+tokens, `specprefill`, `keep` and whether the caller gave it, `threshold`): dense, or the
+positions the target kept, in the order they were fed. A later identical request follows it: dense again, or the same
 view (restored from whatever cached entry agrees with it; what none holds is prefilled
 again), without the draft. Nothing is repaired or grows through repeats.
 
@@ -22,10 +22,10 @@ MAX_RECORDS = 256
 DENSE = "dense"  # the recorded decision of a request prefilled densely
 
 
-def request_key(tokens: np.ndarray, specprefill: Optional[bool], keep: float,
+def request_key(tokens: np.ndarray, specprefill: Optional[bool], keep: float, keep_given: bool,
                 threshold: int) -> bytes:
     digest = hashlib.sha1(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
-    digest.update(repr((specprefill, float(keep), int(threshold))).encode())
+    digest.update(repr((specprefill, float(keep), bool(keep_given), int(threshold))).encode())
     return digest.digest()
 
 

@@ -442,7 +442,8 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
 
 
 def decision_key(state: RequestState) -> bytes:
-    return request_key(state.tokens, state.specprefill, state.report.keep, state.threshold)
+    return request_key(state.tokens, state.specprefill, state.report.keep, state.keep_given,
+                       state.threshold)
 
 
 def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixCaches,
