@@ -298,6 +298,34 @@ def test_a_turn_after_a_stored_specprefill_turn_is_measured_as_its_follow_up(
     assert new + followed == second.usage.prompt_tokens and seconds > 0
 
 
+def test_a_turn_on_a_view_densified_in_time_is_a_follow_up_and_every_turn_is_counted(
+        demo_pair, fresh_cache_dir):
+    """A SpecPrefill turn's view densified while the conversation was idle: the next
+    turn runs dense from it and is measured as a follow-up (what it paid, about nothing);
+    every turn the policy weighs is counted with the turn it continued, dense ones too."""
+    _, _, tokenizer = demo_pair
+    messages = _long(tokenizer, 62, 1500)
+    with Engine(densify="idle") as engine:
+        first = engine.generate_sync(messages, max_tokens=6, specprefill=True)
+        deadline = time.monotonic() + 120
+        while engine.stats()["densify"].pending or not engine.stats()["densify"].entries:
+            assert time.monotonic() < deadline, engine.stats()  # the agent's tool runs
+            time.sleep(0.05)
+        turn = [*messages, {"role": "assistant", "content": first.text},
+                {"role": "user", "content": "And what was the first word of the text?"}]
+        second = engine.generate_sync(turn, max_tokens=4)
+        alone = engine.generate_sync(_long(tokenizer, 63, 1500), max_tokens=2,
+                                     specprefill=False)
+    assert first.specprefill.engaged and not second.specprefill.engaged
+    assert "densified" in second.specprefill.reuse, second.specprefill.reuse
+    saved = json.loads(next((fresh_cache_dir / "costs").glob("*.json")).read_text())
+    (new, followed, _, _), = saved["followup"]["points"]
+    assert new + followed == second.usage.prompt_tokens
+    assert [(tokens, continued) for tokens, continued, *_ in saved["turns"]["points"]] == [
+        (first.usage.prompt_tokens, 0), (second.usage.prompt_tokens, followed),
+        (alone.usage.prompt_tokens, 0)]
+
+
 def _long(tokenizer, seed, tokens=2000):
     return make_case(tokenizer, seed, "passkey", tokens).messages
 
