@@ -20,14 +20,11 @@ What it rebuilds, from the files:
   cells' own are gone from it), so the dense and SpecPrefill times differ from the
   reported ones by a few percent.
 
-    python benchmarks/debt_replay.py ../shared/measurements/h100-agent-grid
+    python benchmarks/agent.py --replay-debt ../shared/measurements/h100-agent-grid
 """
 
-import argparse
-import calendar
 import json
 import re
-import time
 from pathlib import Path
 
 import numpy as np
@@ -134,29 +131,22 @@ def replay(folder: Path) -> list:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder", type=Path, help="an agent grid's files (rREPLY-tTOOL-base.json, costs/)")
-    parser.add_argument("--json", type=Path, help="write the replay here")
-    args = parser.parse_args()
-    rows = replay(args.folder)
-    print("| cell (reply, tool s) | default's turns | debt reported (per follow-up x chain) "
-          "| debt replayed (per later turn x later turns) | engages | first turn saved "
-          "| later turns over dense | over mlx-lm | wall mlx-lm / dense / default |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+def markdown(rows: list) -> str:
+    """The replay as a table: per cell, the debt reported and replayed, the decision
+    replayed, and what the later turns really cost (times to first token, seconds)."""
+    lines = ["| reply tokens, tool s | default's turns | debt reported (per follow-up x chain) "
+             "| debt replayed (per later turn x later turns) | engages (saving predicted) "
+             "| first turn saved | later turns over dense | over mlx-lm "
+             "| wall mlx-lm / dense / default |", "| --- " * 9 + "|"]
     for r in rows:
         old, new, truth = r["old"], r["new"], r["truth"]
         wall = truth["wall"]
-        print(f"| {r['reply_tokens']}, {r['tool_seconds']} | {r['turns']} "
-              f"| {r['reported']['debt']:.3f} s ({old['per_followup']:.3f} x {old['chain']:.2f}) "
-              f"| {new['debt']:.3f} s ({new['per_followup']:.3f} x {new['later_turns']:.2f}) "
-              f"| {'yes' if new['engages'] else 'no'} (saves {new['dense'] - new['specprefill']:.3f} s) "
-              f"| {truth['saving']:.3f} s | {truth['later_over_dense']:.3f} s "
-              f"| {truth['later_over_mlx_lm']:.3f} s "
-              f"| {wall['mlx_lm']:.2f} / {wall['dense']:.2f} / {wall['default']:.2f} |")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+        lines.append(
+            f"| {r['reply_tokens']}, {r['tool_seconds']:g} | {r['turns']} "
+            f"| {r['reported']['debt']:.3f} ({old['per_followup']:.3f} x {old['chain']:.2f}) "
+            f"| {new['debt']:.3f} ({new['per_followup']:.3f} x {new['later_turns']:.2f}) "
+            f"| {'yes' if new['engages'] else 'no'} ({new['dense'] - new['specprefill']:.3f}) "
+            f"| {truth['saving']:.3f} | {truth['later_over_dense']:.3f} "
+            f"| {truth['later_over_mlx_lm']:.3f} "
+            f"| {wall['mlx_lm']:.2f} / {wall['dense']:.2f} / {wall['default']:.2f} |")
+    return "\n".join(lines)
