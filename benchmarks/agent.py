@@ -27,6 +27,7 @@ on a fresh engine (or cache) warmed up first.
     python benchmarks/agent.py --shape qwen3-8b --lengths 32000 --repeats 1 \\
         --tool-seconds 2 --reply-tokens 150 --json agent-gpu.json             # GPU timing
     python benchmarks/agent.py --shape qwen3-next-8b --lengths 8000 ...       # a hybrid
+    python benchmarks/agent.py --replay-debt FOLDER  # the policy's debt over a grid's files
 """
 
 import argparse
@@ -235,7 +236,17 @@ def main(argv=None) -> int:
     parser.add_argument("--cache-gb", type=float,
                         help="each prefix cache's budget (default: the engine's)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--replay-debt", type=Path, metavar="FOLDER",
+                        help="run nothing: replay the policy's conversation debt over an agent "
+                             "grid's files (debt_replay.py) and print its table")
     args = parser.parse_args(argv)
+    if args.replay_debt is not None:
+        from debt_replay import markdown, replay
+        rows = replay(args.replay_debt)
+        print(markdown(rows))
+        write_json(args.json, {"replay": rows,
+                               "args": {**vars(args), "replay_debt": str(args.replay_debt)}})
+        return 0
     if args.step_size is None:
         args.step_size = 256 if mx.default_device() == mx.cpu else 2048
     args.target, args.draft = model_folders(args)

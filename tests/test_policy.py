@@ -153,12 +153,14 @@ def test_a_slow_outlier_is_bounded_by_the_other_models_rate():
     assert costs.predict("draft", 3000) <= 32 * 4 * 3e-10 * sum(draft.flops(3000, 0))
 
 
-def test_a_conversations_debt_declines_a_saving_smaller_than_its_chain_and_persists(tmp_path):
+def test_a_conversations_debt_declines_a_saving_smaller_than_its_later_turns_and_persists(
+        tmp_path):
     """A SpecPrefill turn's next turn continues from a sparse view and, selecting anew,
-    leaves one of its own: when each of a chain's three later turns paid 0.4 of the first
-    turn's saving over a dense continuation, engaging no longer pays; a chain that ends
-    after one later turn still does; the debt scales with the prompt and is at most the
-    dense prefill that would end the chain."""
+    leaves one of its own: when each later turn paid 0.4 of the first turn's saving over
+    a dense continuation and conversations have three later turns, engaging no longer
+    pays; where they have one, it still does; later turns that found their view
+    densified in time count with what they paid; the debt scales with the prompt and is
+    at most the dense prefill that would end the chain."""
     target, draft = Shape(8_000_000_000, 36 * 32 * 128), Shape(600_000_000, 28 * 16 * 128)
     costs = CostModel(target, draft, warm={"target", "draft"}, path=tmp_path / "costs.json")
     for tokens, cached in ((128, 0), (512, 0), (2048, 2048), (8192, 0)):
@@ -168,31 +170,42 @@ def test_a_conversations_debt_declines_a_saving_smaller_than_its_chain_and_persi
     assert before.pays(0.1) and before.debt_s == 0
     saving = before.dense_s - before.specprefill_s
 
-    def later_turn(length):
-        costs.observe_followup(500, length, costs.predict("target", 500, length) + 0.4 * saving)
+    def conversation(later: int, pays: float = 0.4, start: int = 32768):
+        costs.observe_turn(start, 0, 1.0)
+        for length in range(start, start + 500 * later, 500):
+            costs.observe_turn(length + 500, length, 1.0)
+            costs.observe_followup(500, length, costs.predict("target", 500, length) +
+                                   pays * saving * length / 32768)
 
-    costs.observe_sparse(32768, 0, 1.0)  # a chain starts
-    later_turn(32768)
+    conversation(1)
     one = predict(costs, 32768, 0, 0, 3277)
     assert one.debt_s == pytest.approx(0.4 * saving, rel=0.01) and one.pays(0.1)
-    for length in (33268, 33768):  # the later turns selected anew: the chain goes on
-        costs.observe_sparse(length, length - 500, 1.0)
-        later_turn(length)
-    after = predict(costs, 32768, 0, 0, 3277)
-    assert after.debt_s == pytest.approx(1.2 * saving, rel=0.02)
-    assert after.gain == pytest.approx(before.gain) and not after.pays(0.1)
-    assert "debt" in after.describe() and "debt" in after.shortfall(0.1)
+    costs.observe_turn(32768, 0, 1.0)  # a single request: a conversation without later turns
+    assert predict(costs, 32768, 0, 0, 3277).debt_s == pytest.approx(0.2 * saving, rel=0.01)
+    conversation(4)
+    costs.observe_turn(100_000, 0, 1.0)  # another single request
+    after = predict(costs, 32768, 0, 0, 3277)  # 5 later turns in 4 conversations, each 0.4
+    assert after.debt_s == pytest.approx(0.5 * saving, rel=0.01) and after.pays(0.1)
+    conversation(6)
+    conversation(6)  # 17 later turns in 6 conversations
+    late = predict(costs, 32768, 0, 0, 3277)
+    assert late.debt_s == pytest.approx(0.4 * 17 / 6 * saving, rel=0.01) and not late.pays(0.1)
+    assert late.gain == pytest.approx(before.gain)
+    assert "debt" in late.describe() and "debt" in late.shortfall(0.1)
     half = predict(costs, 16384, 0, 0, 1639)
-    assert half.debt_s == pytest.approx(min(0.6 * saving, half.dense_s), rel=0.02)
-    for length in range(34268, 40000, 500):  # a long chain: ending it densely is the bound
-        costs.observe_sparse(length, length - 500, 1.0)
-        later_turn(length)
+    assert half.debt_s == pytest.approx(min(late.debt_s / 2, half.dense_s), rel=0.01)
+    conversation(8, pays=0.0)  # idle time densified the view: the later turns paid nothing
+    assert predict(costs, 32768, 0, 0, 3277).debt_s == pytest.approx(
+        0.4 * 17 / 25 * 25 / 7 * saving, rel=0.01)
+    for _ in range(20):  # long conversations of turns that all paid: ending it is the bound
+        costs.observe_turn(32768 + 500 * _, 32268 + 500 * _, 1.0)
+        costs.observe_followup(500, 32768, costs.predict("target", 500, 32768) + 0.4 * saving)
     assert predict(costs, 32768, 0, 0, 3277).debt_s == before.dense_s
     costs.save()
     loaded = CostModel(target, draft, path=costs.path)
     loaded.load()
     assert list(loaded.followup) == list(costs.followup)
-    assert list(loaded.sparse) == list(costs.sparse)
+    assert list(loaded.turns) == list(costs.turns)
     # a saved follow-up of no stored turn (a hand-edited file) counts for nothing
     saved = json.loads(costs.path.read_text())
     saved["followup"]["points"] = [[500, 0, 1.0, time.time()]]
@@ -200,6 +213,65 @@ def test_a_conversations_debt_declines_a_saving_smaller_than_its_chain_and_persi
     edited = CostModel(target, draft, path=costs.path)
     edited.load()
     assert predict(edited, 32768, 0, 0, 3277).debt_s == 0
+
+
+# An H100's agent grid (random Qwen3-8B / 0.6B, a 32K agent loop of 6 steps with
+# 12-token replies; docs/benchmarks.md, `benchmarks/debt_replay.py`): prefills the cost
+# folder kept, (tokens, cached, seconds)
+_H100_TARGET = ((32176, 283, 1.430), (9669, 283, 0.367), (8851, 4096, 0.426),
+                (4748, 18432, 0.276), (3237, 283, 0.178), (501, 32471, 0.084),
+                (445, 32984, 0.085), (511, 34377, 0.086))
+_H100_DRAFT = ((32176, 283, 0.431), (8147, 24576, 0.199), (513, 32459, 0.219),
+               (661, 32768, 0.121), (2120, 32768, 0.151))
+_QWEN3_8B, _QWEN3_06B = Shape(6962852864, 147456), Shape(444661760, 57344)
+_AGENT_PROMPTS = (32459, 32972, 33429, 33931, 34365, 34888)  # a session's six steps
+_WARM_UP = ((32346, 0), (32723, 32358))  # agent.py's warm-up session: two turns
+
+
+def _h100_history(default_session: tuple) -> CostModel:
+    """What the cost model had seen when a cell's default decided its first turn:
+    the dense row (a warm-up and a session) and the default's warm-up, whose SpecPrefill
+    turn was followed at once (no tool time); then `default_session`, its turns as
+    (prompt, continued, follow-up (new, cached, seconds) or None)."""
+    costs = CostModel(_QWEN3_8B, _QWEN3_06B, warm={"target", "draft"})
+    for tokens, cached, seconds in _H100_TARGET:
+        costs.observe("target", tokens, cached, seconds)
+    for tokens, cached, seconds in _H100_DRAFT:
+        costs.observe("draft", tokens, cached, seconds)
+    for tokens, continued in _WARM_UP:  # the dense row
+        costs.observe_turn(tokens, continued, 1.0)
+    for step, tokens in enumerate(_AGENT_PROMPTS):
+        costs.observe_turn(tokens, _AGENT_PROMPTS[step - 1] + 12 if step else 0, 1.0)
+    for tokens, continued in _WARM_UP:  # the default's
+        costs.observe_turn(tokens, continued, 1.0)
+    costs.observe_followup(365, 32358, 0.628)  # selected anew: 0.54 s over dense
+    for tokens, continued, followup in default_session:
+        costs.observe_turn(tokens, continued, 1.0)
+        if followup is not None:
+            costs.observe_followup(*followup)
+    return costs
+
+
+def test_the_h100_agent_loop_declines_without_tool_time_and_engages_with_it():
+    """Replayed over the H100 grid's measurements: with no tool time each later turn
+    of a SpecPrefill conversation selected anew, 0.4-0.5 s over a dense continuation,
+    and its conversations had 5 later turns; the default engaged on the first turn
+    (saving 0.6 s, debt predicted 0.56 s: the one follow-up its warm-up had) and lost 2.4 s.
+    Counted over every conversation it served, the first turn's debt outweighs its
+    saving. Where the tools ran 2 s, the later turns found the view densified and paid
+    ~0.03 s each: the default engages."""
+    first = (_AGENT_PROMPTS[0], 283, 283, 9952)  # prompt, dense and draft cached, kept
+    no_tools = predict(_h100_history(()), *first)
+    assert not no_tools.pays(0.1), no_tools.describe()
+    assert no_tools.dense_s - no_tools.specprefill_s == pytest.approx(0.7, abs=0.1)
+    assert no_tools.debt_s > 1.0  # the cell's later turns cost 2.4 s over dense
+    densified = ((513, 32459, 0.139), (445, 32984, 0.087), (490, 33441, 0.108),
+                 (422, 33943, 0.078), (511, 34377, 0.104))  # each later turn's prefill
+    session = [(_AGENT_PROMPTS[0], 0, None)] + [
+        (tokens, _AGENT_PROMPTS[step] + 12, densified[step])
+        for step, tokens in enumerate(_AGENT_PROMPTS[1:])]
+    tools = predict(_h100_history(tuple(session)), *first)
+    assert tools.pays(0.1), tools.describe()
 
 
 def test_a_turn_after_a_stored_specprefill_turn_is_measured_as_its_follow_up(
@@ -216,14 +288,42 @@ def test_a_turn_after_a_stored_specprefill_turn_is_measured_as_its_follow_up(
         engine.generate_sync(_long(tokenizer, 61, 1500), max_tokens=2, specprefill=False)
     assert first.specprefill.engaged
     saved = json.loads(next((fresh_cache_dir / "costs").glob("*.json")).read_text())
-    assert [(tokens, follows) for tokens, follows, *_ in saved["sparse"]["points"]] == [
-        (first.usage.prompt_tokens, 0)]  # the SpecPrefill turn, starting a chain
+    assert [(tokens, continued) for tokens, continued, *_ in saved["turns"]["points"]][:1] == [
+        (first.usage.prompt_tokens, 0)]  # the SpecPrefill turn, starting a conversation
     points = saved["followup"]["points"]
     assert len(points) == 1  # the unrelated prompt follows nothing
     new, followed, seconds, _ = points[0]
     stored = first.usage.prompt_tokens + first.usage.completion_tokens
     assert first.usage.prompt_tokens < followed <= stored + 1  # its prompt and reply
     assert new + followed == second.usage.prompt_tokens and seconds > 0
+
+
+def test_a_turn_on_a_view_densified_in_time_is_a_follow_up_and_every_turn_is_counted(
+        demo_pair, fresh_cache_dir):
+    """A SpecPrefill turn's view densified while the conversation was idle: the next
+    turn runs dense from it and is measured as a follow-up (what it paid, about nothing);
+    every turn the policy weighs is counted with the turn it continued, dense ones too."""
+    _, _, tokenizer = demo_pair
+    messages = _long(tokenizer, 62, 1500)
+    with Engine(densify="idle") as engine:
+        first = engine.generate_sync(messages, max_tokens=6, specprefill=True)
+        deadline = time.monotonic() + 120
+        while engine.stats()["densify"].pending or not engine.stats()["densify"].entries:
+            assert time.monotonic() < deadline, engine.stats()  # the agent's tool runs
+            time.sleep(0.05)
+        turn = [*messages, {"role": "assistant", "content": first.text},
+                {"role": "user", "content": "And what was the first word of the text?"}]
+        second = engine.generate_sync(turn, max_tokens=4)
+        alone = engine.generate_sync(_long(tokenizer, 63, 1500), max_tokens=2,
+                                     specprefill=False)
+    assert first.specprefill.engaged and not second.specprefill.engaged
+    assert "densified" in second.specprefill.reuse, second.specprefill.reuse
+    saved = json.loads(next((fresh_cache_dir / "costs").glob("*.json")).read_text())
+    (new, followed, _, _), = saved["followup"]["points"]
+    assert new + followed == second.usage.prompt_tokens
+    assert [(tokens, continued) for tokens, continued, *_ in saved["turns"]["points"]] == [
+        (first.usage.prompt_tokens, 0), (second.usage.prompt_tokens, followed),
+        (alone.usage.prompt_tokens, 0)]
 
 
 def _long(tokenizer, seed, tokens=2000):

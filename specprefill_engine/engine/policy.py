@@ -33,15 +33,23 @@ SpecPrefill is engaged when the predicted dense time exceeds the predicted SpecP
 time (the draft on what its prefix cache lacks + the target on the kept tokens) by
 more than `margin`, and by more than the conversation's debt. A conversation's next turn
 continues a dense turn from its whole cache, but a SpecPrefill turn from a sparse view,
-which it extends, repairs or selects anew (unless densified in time), and a turn that
-selects anew leaves a view of its own: a chain of turns that each pay, until one runs
-dense. So the engine measures each turn that follows a stored SpecPrefill turn
-("followup": its prefill and scoring against a dense continuation's predicted time, per
-token of the turn it followed) and counts its stored SpecPrefill turns ("sparse", and
-which of them started a chain); the debt of engaging on a prompt of L tokens is the
-median extra per token times L, times the follow-ups a chain has had on average,
-bounded by the dense prefill that would end the chain. Until a follow-up is measured it
-is 0, so single requests never pay it.
+which it extends, repairs or selects anew, unless the view was densified while the
+conversation was idle; and a turn that selects anew leaves a view of its own, so without
+idle time every later turn of the conversation pays. The debt is what the later turns
+of a conversation that engages now are expected to pay beyond dense continuations:
+- what one later turn pays: every turn that continues a stored turn of a SpecPrefill
+  conversation ("followup": a sparse view, or one densified in time, which pays
+  nothing) is measured, its prefill and scoring against a dense continuation's
+  predicted time, at most a dense prefill of its whole prompt (what ending the chain
+  costs), per token of the turn it followed; the mean over those measured, so turns
+  that found their view densified count with what they paid;
+- how many later turns a conversation has: every stored turn of a prompt the policy
+  weighs, dense or SpecPrefill, is counted ("turns": whether it continued a stored
+  turn), and the later turns per conversation are those that continued one per one
+  that continued none; a single request is a conversation without later turns;
+so the debt of engaging on a prompt of L tokens is that mean extra per token times L
+times the later turns per conversation, bounded by the dense prefill that would end the
+chain. Until a follow-up is measured it is 0.
 
 A policy that declines where the shapes alone predict a large gain (`RECHECK_GAIN`)
 engages now and then anyway, at growing intervals, so a wrong fit is
@@ -248,7 +256,7 @@ class CostModel:
     draft: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     repair: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # the target's
     followup: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # the target's
-    sparse: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # the target's
+    turns: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # the target's
     path: Optional[Path] = None  # where the observations persist
     warm: set = field(default_factory=set)  # models whose first prefill has been seen
     recheck: Recheck = field(default_factory=Recheck)
@@ -270,36 +278,39 @@ class CostModel:
             self._laws.clear()
 
     def observe_followup(self, tokens: int, cached: int, seconds: float) -> None:
-        """A turn that continued a stored SpecPrefill turn of `cached` tokens with `tokens`
-        more: its prefill and scoring took `seconds`."""
+        """A turn that continued a stored turn of a SpecPrefill conversation (its sparse
+        view, or that view densified) of `cached` tokens with `tokens` more: its prefill
+        and scoring took `seconds`."""
         _record(self.followup, tokens, cached, seconds)
 
-    def observe_sparse(self, tokens: int, follows: int, seconds: float) -> None:
-        """A SpecPrefill turn of `tokens` whose cache is kept; `follows`: the length of the
-        stored SpecPrefill turn it continued (0: it starts a chain)."""
-        _record(self.sparse, tokens, follows, seconds)
+    def observe_turn(self, tokens: int, continued: int, seconds: float) -> None:
+        """A stored turn of `tokens`, dense or SpecPrefill; `continued`: the length of the
+        stored turn it continued (0: it starts a conversation)."""
+        _record(self.turns, tokens, continued, seconds)
 
-    def chain(self) -> float:
-        """The follow-ups a chain of SpecPrefill turns has had on average, over the
-        period both records cover (0 before any follow-up)."""
-        if not self.followup:
-            return 0.0
-        full = [points[0][3] for points in (self.followup, self.sparse)
-                if len(points) == points.maxlen]  # a full record has dropped older points
-        since = max(full, default=0.0)
-        followed = sum(at >= since for *_, at in self.followup)
-        starts = sum(at >= since and follows == 0 for _, follows, _, at in self.sparse)
-        return followed / max(starts, 1)
+    def later_turns(self) -> float:
+        """The later turns a conversation has had on average: the turns that continued a
+        stored turn per turn that continued none (0 before any)."""
+        starts = sum(continued == 0 for _, continued, *_ in self.turns)
+        return (len(self.turns) - starts) / max(starts, 1)
+
+    def extra(self) -> Optional[float]:
+        """What a later turn of a SpecPrefill conversation paid beyond a dense
+        continuation, per token of the turn it followed: the mean over the follow-ups,
+        each at most a dense prefill of its whole prompt (None before any)."""
+        extra = [min(max(seconds - self.predict("target", new, cached), 0.0),
+                     self.predict("target", new + cached)) / cached
+                 for new, cached, seconds, _ in self.followup if cached > 0]
+        return float(np.mean(extra)) if extra else None
 
     def debt(self, tokens: int) -> float:
         """What engaging on a prompt of `tokens` is expected to cost the conversation's
-        later turns: the median extra seconds a follow-up paid per token of the turn it
-        followed, times `tokens`, times the follow-ups of a chain (0 before any)."""
-        extra = [max(seconds - self.predict("target", new, cached), 0.0) / cached
-                 for new, cached, seconds, _ in self.followup if cached > 0]
-        if not extra or not self.measured():  # a follow-up of no stored turn says nothing
+        later turns: the mean extra per token a later turn paid (`extra`) times `tokens`
+        times the later turns per conversation (`later_turns`); 0 before any follow-up."""
+        extra = self.extra()
+        if extra is None or not self.measured():  # a follow-up of no stored turn says nothing
             return 0.0
-        return tokens * float(np.median(extra)) * self.chain()
+        return tokens * extra * self.later_turns()
 
     def _rate(self, which: str) -> Optional[float]:
         """A model's seconds per FLOP over its long prefills (the median), if any."""
@@ -370,7 +381,7 @@ class CostModel:
             return
         shapes = {"target": self.target_shape, "draft": self.draft_shape,
                   "repair": self.target_shape, "followup": self.target_shape,
-                  "sparse": self.target_shape}
+                  "turns": self.target_shape}
         dropped = 0
         for which, shape in shapes.items():
             entry = saved.get(which)
@@ -381,7 +392,7 @@ class CostModel:
                                "model shape", which, self.path)
                 continue
             points = entry.get("points") if isinstance(entry.get("points"), list) else []
-            good = [tuple(p) for p in points if _plausible(p, shape)]
+            good = [tuple(p) for p in points if _plausible(p, shape, which != "turns")]
             dropped += len(points) - len(good)
             getattr(self, which).extend(good[-HISTORY:])
         if dropped:
@@ -392,7 +403,7 @@ class CostModel:
         if self.path is None or not (self.target or self.draft or self.repair):
             return
         saved = {"version": VERSION}
-        for which in ("target", "draft", "repair", "followup", "sparse"):
+        for which in ("target", "draft", "repair", "followup", "turns"):
             shape = self.shape(which)
             if shape is not None:
                 saved[which] = {"shape": [shape.parameters, shape.attention],
@@ -408,8 +419,10 @@ def _record(points: deque, tokens: int, cached: int, seconds: float) -> bool:
     return True
 
 
-def _plausible(point, shape: Shape) -> bool:
-    """A saved point this model could have produced on some machine, and recent."""
+def _plausible(point, shape: Shape, prefill: bool = True) -> bool:
+    """A saved point this model could have produced on some machine, and recent;
+    `prefill`: its seconds are a prefill of its counts (a turn's are not: most of its
+    prompt may have been cached)."""
     if not isinstance(point, list) or len(point) != 4:
         return False
     if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in point):
@@ -420,7 +433,7 @@ def _plausible(point, shape: Shape) -> bool:
     if not time.time() - MAX_AGE_S < at < time.time() + 86400:
         return False
     rate = seconds / max(sum(shape.flops(int(tokens), int(cached))), 1.0)
-    return tokens < LONG or _PLAUSIBLE_RATE[0] <= rate <= _PLAUSIBLE_RATE[1]
+    return not prefill or tokens < LONG or _PLAUSIBLE_RATE[0] <= rate <= _PLAUSIBLE_RATE[1]
 
 
 def cost_model(target: nn.Module, draft: Optional[nn.Module], key: tuple) -> CostModel:

@@ -638,8 +638,8 @@ class Worker:
         if state.follows:
             runtime.costs.observe_followup(int(state.tokens.size) - state.follows, state.follows,
                                            busy)
-        if state.report.engaged and state.cache_prompt:
-            runtime.costs.observe_sparse(int(state.tokens.size), state.follows, busy)
+        if state.cache_prompt and state.tokens.size >= state.threshold:  # a turn the policy weighs
+            runtime.costs.observe_turn(int(state.tokens.size), state.continues, busy)
         if reason is not None:
             self._end(state, reason)
             return
