@@ -10,7 +10,8 @@ from .scoring import run_steps
 from .sparse_prefill import sparse_prefill
 
 
-def _greedy(model, logits, cache, n: int, eos: set) -> list:
+def greedy(model, logits, cache, n: int, eos: set) -> list:
+    """Up to `n` greedy tokens from `logits`, the cache holding the prompt."""
     tokens = [mx.argmax(logits, axis=-1).item()]
     while len(tokens) < n and tokens[-1] not in eos:
         tokens.append(mx.argmax(model(mx.array([[tokens[-1]]]), cache=cache)[:, -1], axis=-1).item())
@@ -21,7 +22,7 @@ def dense_answer(model, ids, n: int, eos: set, step_size: int = STEP_SIZE) -> li
     """Up to `n` greedy tokens after a dense prefill of `ids` (ending at an `eos` id)."""
     cache = make_prompt_cache(model)
     logits = run_steps(chunked_prefill(model, mx.array(ids), cache, step_size))
-    return _greedy(model, logits[:, -1], cache, n, eos)
+    return greedy(model, logits[:, -1], cache, n, eos)
 
 
 def sparse_answer(model, ids, kept, n: int, eos: set, step_size: int = STEP_SIZE) -> list:
@@ -29,6 +30,6 @@ def sparse_answer(model, ids, kept, n: int, eos: set, step_size: int = STEP_SIZE
     cache = make_prompt_cache(model)
     try:
         logits = sparse_prefill(model, ids, kept, cache, step_size=step_size)
-        return _greedy(model, logits, cache, n, eos)
+        return greedy(model, logits, cache, n, eos)
     finally:
         cleanup_rope(model)

@@ -34,7 +34,8 @@ sends ask for much that no word of theirs names.
 Code is judged apart (`core/kinds.py`): a view of code can glue the ends of different
 functions together, and the target can then answer otherwise than dense even where the
 answer's own tokens are kept. So the probe also asks the target `ANSWER_QUESTIONS` code
-questions dense and with the draft's selection at the engine's keep, and the policy
+questions over a 2,048-token file of similar functions, dense and with the draft's
+selection at the engine's keep, and the policy
 engages on code only where the target answers every one it answers dense (at least
 `CONCLUSIVE` of them): the answers themselves, not the tokens held.
 
@@ -58,11 +59,12 @@ from typing import Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..code_tasks import is_right, make_case
 from ..core import run_steps, score_steps, select_chunks
-from ..core.answers import dense_answer, sparse_answer
+from ..core.answers import dense_answer, greedy, sparse_answer
+from ..core.prefill import STEP_SIZE, cache_length, chunked_prefill
 from ..core.scoring import N_LOOKAHEAD, N_WINDOW, POOL_KERNEL
 from ..loading import cache_dir, save_json
 
@@ -78,8 +80,8 @@ HELD_SHARE = 0.75  # of the answers the target's own selection holds, the draft'
 CONCLUSIVE = 3  # answers the target's own selection must hold for a verdict
 MARGIN = 0.5  # the share of the engine's keep the probe judges at
 KEEPS = np.round(np.arange(1, 101) / 100, 2)  # the keeps `needed_keep` tries
-ANSWER_LENGTH = 768  # the code file the target answers over, dense and sparse
-ANSWER_QUESTIONS = 3
+ANSWER_LENGTH = 2048  # the code file the target answers over, dense and sparse
+ANSWER_QUESTIONS = 8
 
 
 @dataclass(frozen=True)
@@ -153,19 +155,41 @@ def code_answers(target, draft, tokenizer, keep: float, n_lookahead: int = N_LOO
                  pool_kernel: int = POOL_KERNEL, n_window: int = N_WINDOW,
                  **selection) -> tuple:
     """Per code question of the answer probe: (the target answers it right dense, and
-    right from the draft's selection at `keep`, as the engine selects)."""
+    right from the draft's selection at `keep`, as the engine selects). The questions
+    share their file: each model prefills it once, then only each question."""
+    cases = [make_case(tokenizer, "code_return", ANSWER_LENGTH, SEED, ask)
+             for ask in range(ANSWER_QUESTIONS)]
+    shared = len(os.path.commonprefix([case.ids for case in cases]))
     eos, found = set(tokenizer.eos_token_ids), []
-    for ask in range(ANSWER_QUESTIONS):
-        case = make_case(tokenizer, "code_return", ANSWER_LENGTH, SEED, ask)
+    scoring, dense = make_prompt_cache(draft), make_prompt_cache(target)
+    for case in cases:
+        if not can_trim_prompt_cache(scoring):
+            scoring = make_prompt_cache(draft)
         importance = run_steps(score_steps(draft, case.ids, n_lookahead, pool_kernel,
-                                           n_window=n_window))
+                                           step_size=shared, n_window=n_window,
+                                           cache=scoring))
         kept = select_chunks(np.array(importance), keep,
                              must_keep=np.arange(len(case.ids)) < case.head, **selection)
-        dense = tokenizer.decode(dense_answer(target, case.ids, case.max_tokens, eos))
-        sparse = tokenizer.decode(sparse_answer(target, case.ids, kept, case.max_tokens, eos))
-        found.append((is_right(case, dense), is_right(case, sparse)))
+        sparse = sparse_answer(target, case.ids, kept, case.max_tokens, eos)
+        found.append((is_right(case, tokenizer.decode(
+            continued_answer(target, dense, case.ids, shared, case.max_tokens, eos))),
+            is_right(case, tokenizer.decode(sparse))))
     mx.clear_cache()
     return tuple(found)
+
+
+def continued_answer(model, cache: list, ids: list, shared: int, n: int, eos: set) -> list:
+    """`dense_answer` of `ids`, continuing `cache` where it holds their first `shared`
+    tokens (cut back to them after; a cache that cannot be cut starts anew)."""
+    if not can_trim_prompt_cache(cache):
+        return dense_answer(model, ids, n, eos)
+    held = cache_length(cache)
+    if held == 0:
+        run_steps(chunked_prefill(model, mx.array(ids[:shared]), cache, STEP_SIZE))
+    elif held > shared:
+        trim_prompt_cache(cache, held - shared)
+    logits = run_steps(chunked_prefill(model, mx.array(ids[shared:]), cache, STEP_SIZE))
+    return greedy(model, logits[:, -1], cache, n, eos)
 
 
 def judge_code(probe: Probe, verdict: DraftVerdict) -> DraftVerdict:
