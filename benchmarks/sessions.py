@@ -13,13 +13,15 @@ second turn) and their results (`--tool-result-tokens`: files and command output
 that many tokens), after `--tool-seconds` of tool time; replies are `--reply-tokens`
 long at most (max_tokens), greedy (temperature 0), streamed as the CLIs stream. The
 history is scripted (the model's replies are recorded, not fed back), so every server
-and the solo replay see the same prompts. Events, by session index: i % 4 == 0 a
-retried request (sent again once its reply has come, the retry header set), 1 a
-cancelled stream (closed after its first token, then sent again), 2 a client that
-disconnects mid-stream (gone once the response's headers came, during the prefill,
-then sent again); odd sessions' system prompts end with a line that changes on every
-request (as Claude Code's attribution header; Anthropic sessions also send Claude
-Code's `x-anthropic-billing-header` block first, with a changing `cch`).
+and the solo replay see the same prompts. Events on a session's second request, by
+j = i + i // (kinds): j % 4 == 0 a retried request (sent again once its reply has come,
+the retry header set), 1 a cancelled stream (closed after its first token, then sent
+again), 2 a client that disconnects mid-stream (gone once the response's headers came,
+during the prefill, then sent again); where j is odd the system prompt ends with a line
+that changes on every request (as Claude Code's attribution header; Anthropic sessions
+also send Claude Code's `x-anthropic-billing-header` block first, with a changing
+`cch`, which serve leaves out). The last request of a session with tools requires a
+tool call (`tool_choice`; mlx_lm.server ignores it).
 
 Reported per session and overall: requests, failures (a non-2xx other than a clear
 4xx, a malformed stream or reply, a tool call whose name or arguments do not parse, a
@@ -187,8 +189,11 @@ def make_session(index: int, args, tokenizer, shapes: dict) -> dict:
     kind = kinds[index % len(kinds)]
     system, tools = shapes[kind]
     rng = random.Random(f"session-{args.seed}-{index}")
-    event = EVENTS[index % len(EVENTS)]
-    header = index % 2 == 1
+    # events and the header by index, shifted each round of kinds so that every kind
+    # meets every event and both header states
+    round_ = index // len(kinds)
+    event = EVENTS[(index + round_) % len(EVENTS)]
+    header = (index + round_) % 2 == 1
     context = args.context - max(args.reply_tokens) - 64
     task = (f"Session {index}: the tests in `pkg/{rng.choice(WORDS)}.py` fail since the last "
             f"change to `{rng.choice(WORDS)}_{rng.choice(WORDS)}()`. Find out why and fix it.")
@@ -926,6 +931,18 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
+def commit() -> str:
+    """This tree's commit (and "+changes" where it differs from it)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return head + ("+changes" if dirty else "")
+    except OSError:
+        return ""
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="sessions-"))
@@ -939,7 +956,8 @@ def main(argv=None) -> dict:
 
     def save():
         if args.json:
-            result = {"args": dict(vars(args)), "runs": runs, "table": table(runs),
+            result = {"args": dict(vars(args)), "commit": commit(), "runs": runs,
+                      "table": table(runs),
                       "solo": {k: {kk: vv for kk, vv in v.items() if kk != "log_tail"}
                                for k, v in solo.items()}}
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
