@@ -647,8 +647,9 @@ class Server:
                     command += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
         self.command = command
         self.log = self.dir / "server.log"
-        self.process = subprocess.Popen(command, env=env, stdout=open(self.log, "w"),
-                                        stderr=subprocess.STDOUT, cwd=self.dir)
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(command, env=env, stdout=log,
+                                            stderr=subprocess.STDOUT, cwd=self.dir)
         self.url, self.peak, self.stop_sampling = f"http://127.0.0.1:{self.port}", 0, False
         deadline = time.monotonic() + 120
         while True:
@@ -777,8 +778,12 @@ def warm(server_url: str, apis: dict, model: str) -> None:
         session = {"index": -1, "system": "You are terse.", "tools": [], "api": api}
         request = {"turn": 0, "messages": [{"role": "user", "content": "Say hi."}],
                    "max_tokens": 4, "after_tool": False, "header": None, "billing": BILLING.format(0)}
-        asyncio.run(send(httpx.AsyncClient(), server_url, session, request, api, model, "full",
-                         120, time.perf_counter()))
+        async def once():
+            async with httpx.AsyncClient() as client:
+                await send(client, server_url, session, request, api, model, "full", 120,
+                           time.perf_counter())
+
+        asyncio.run(once())
 
 
 def compare_solo(loaded: list, solo: list) -> dict:
