@@ -375,7 +375,7 @@ def cmd_serve(args) -> int:
         config = ServerConfig(model_name=args.served_model_name, api_key=args.api_key or None,
                               **given("keepalive", "max_queued", "drain_timeout",
                                       "max_body_bytes"))
-        engine = make_engine(args, **given("max_batch_size"))
+        engine = make_engine(args, **serve_settings(args))
     except ValueError as error:
         raise UsageError(str(error)) from None
     if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
@@ -391,6 +391,13 @@ def cmd_serve(args) -> int:
     # a model that fails to load or a port in use: uvicorn logs why and exits with 3
     server(engine, config, args.host, args.port, log_level=args.log_level).run()
     return 0
+
+
+def serve_settings(args) -> dict:
+    """The engine settings serve's own flags give (the rest: the engine's defaults)."""
+    return {name: getattr(args, name) for name in
+            ("max_batch_size", "prefix_cache_bytes", "draft_prefix_cache_bytes", "kv_cache_bytes")
+            if getattr(args, name, None) is not None}
 
 
 def server_default(name: str):
@@ -484,6 +491,15 @@ def parser() -> argparse.ArgumentParser:
                        "model's folder name)")
     serve.add_argument("--max-batch-size", type=int, help="streams decoded together "
                        f"(default {EngineConfig.max_batch_size})")
+    serve.add_argument("--prefix-cache-bytes", type=int, metavar="BYTES",
+                       help="the target's prefix cache in memory, least recently used out "
+                       f"(default {EngineConfig.prefix_cache_bytes}; 0: off)")
+    serve.add_argument("--draft-prefix-cache-bytes", type=int, metavar="BYTES",
+                       help="the draft's prefix cache in memory "
+                       f"(default {EngineConfig.draft_prefix_cache_bytes}; 0: off)")
+    serve.add_argument("--kv-cache-bytes", type=int, metavar="BYTES",
+                       help="running requests' KV: a request whose KV would not fit waits "
+                       "(default: no bound)")
     serve.add_argument("--max-queued", type=int, help="requests allowed to wait beyond the "
                        "batch; more get 429 (default: no bound, they wait)")
     serve.add_argument("--keepalive", type=float, help="seconds between keep-alives while a "

@@ -119,3 +119,20 @@ def test_ask_reads_stdin_and_can_force_specprefill(demo_pair):
     payload = json.loads(run.stdout)
     assert payload["specprefill"]["engaged"] and payload["specprefill"]["reason"] == "requested"
     assert payload["usage"]["prompt_tokens"] > 500  # the document came through stdin
+
+
+def test_serve_takes_the_memory_budgets():
+    """serve's --prefix-cache-bytes, --draft-prefix-cache-bytes and --kv-cache-bytes reach
+    the engine (a server under many sessions needs budgets below their KV)."""
+    from specprefill_engine.cli import make_engine, serve_settings
+
+    args = parser().parse_args(["serve", "--prefix-cache-bytes", "1000000",
+                                "--draft-prefix-cache-bytes", "0", "--kv-cache-bytes", "2000000",
+                                "--disk-cache-gb", "0.5"])
+    config = make_engine(args, **serve_settings(args)).config
+    assert (config.prefix_cache_bytes, config.draft_prefix_cache_bytes,
+            config.kv_cache_bytes) == (1000000, 0, 2000000)
+    assert config.prefix_cache_disk_bytes == 500_000_000
+    default = make_engine(parser().parse_args(["serve"]), **serve_settings(
+        parser().parse_args(["serve"]))).config
+    assert default.prefix_cache_bytes == 8 << 30 and default.kv_cache_bytes is None
