@@ -64,8 +64,7 @@ RUNS = {
          "--new-tokens", "4", "--decode-prompt", "64", "--json", "{json}"],
     ],
     "plots.py": [["--check"]],
-    # written by others; until their tiny runs are wired in here, --help only
-    "sessions.py": [],
+    "sessions.py": [],  # --help only: tests/test_sessions.py replays three sessions
     "memory.py": [],
 }
 
@@ -96,7 +95,7 @@ def main(argv=None) -> int:
             print(f"skip {name}: not written yet (benchmarks/smoke.py runs it once it is)")
             continue
         if name in RUNS and not RUNS[name]:
-            print(f"note {name}: --help only; no tiny run is wired into benchmarks/smoke.py yet")
+            print(f"note {name}: --help only here")
         jobs += [(name, arguments) for arguments in [["--help"], *RUNS.get(name, [])]]
     failed = 0
     started = time.perf_counter()
