@@ -60,8 +60,8 @@ from mlx_lm.utils import load_tokenizer
 from specprefill_engine import Engine
 from specprefill_engine.engine.policy import shape_of
 from specprefill_engine.engine.runtime import default_step_size
-from specprefill_engine.engine.events import TextEvent, ToolCallEvent
-from specprefill_engine.engine.tool_calls import OutputParser
+from specprefill_engine.chat.parser_events import TextEvent, ToolCallEvent
+from specprefill_engine.chat.tool_calls import OutputParser
 from specprefill_engine.loading import DEMO_DRAFT, DEMO_TARGET, load_model
 
 from agent import engine_turn, mlx_lm_turn

@@ -10,7 +10,7 @@ preload_blas()
 
 from .core import UnsupportedModelError  # noqa: E402
 from .engine import Chunk, Engine, EngineFailedError, RequestFailedError, Result  # noqa: E402
-from .engine.tool_calls import ToolsNotSupportedError  # noqa: E402
+from .chat.tool_calls import ToolsNotSupportedError  # noqa: E402
 from .loading import ModelLoadError, load_model  # noqa: E402
 
 __all__ = ["Chunk", "Engine", "EngineFailedError", "ModelLoadError", "RequestFailedError",

@@ -9,11 +9,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from specprefill_engine.engine.constrained import (
+from specprefill_engine.chat.constrained import (
     GrammarConstraint, _Grammar, _Markers, _tool_answer,
 )
-from specprefill_engine.engine.events import ReasoningEvent, TextEvent
-from specprefill_engine.engine.tool_calls import OutputParser
+from specprefill_engine.chat.parser_events import ReasoningEvent, TextEvent
+from specprefill_engine.chat.tool_calls import OutputParser
 
 
 def constrained_decode(model, tokenizer, processor, ids: list, max_tokens: int) -> list:

@@ -8,7 +8,7 @@ import pytest
 from specprefill_engine import Engine
 from specprefill_engine.core import select_chunks
 from specprefill_engine.demo_tasks import AGENT_TOOLS, make_agent_session, make_case
-from specprefill_engine.engine.chat import render_chat
+from specprefill_engine.chat.render import render_chat
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -13,7 +13,7 @@ from chat_templates import (
 )
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import AGENT_TOOLS, make_agent_session
-from specprefill_engine.engine.chat import render_chat, wants_object_arguments
+from specprefill_engine.chat.render import render_chat, wants_object_arguments
 
 TOOLS = list(AGENT_TOOLS)
 HISTORY = [

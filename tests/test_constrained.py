@@ -8,10 +8,10 @@ import pytest
 
 from decoding import allowed_tokens, constrained_decode, tool_call_lark
 from specprefill_engine import Engine
-from specprefill_engine.engine.constrained import (
+from specprefill_engine.chat.constrained import (
     check_response_format, llg_tokenizer, make_constraint,
 )
-from specprefill_engine.engine.tool_calls import ToolsNotSupportedError
+from specprefill_engine.chat.tool_calls import ToolsNotSupportedError
 
 JOKE = {"type": "object", "properties": {"setup": {"type": "string"},
                                          "punchline": {"type": "string"}},

@@ -25,8 +25,8 @@ from decoding import split_tool_calls
 from langchain_specprefill import ChatSpecPrefill
 from langchain_specprefill.chat_model import ToolsNotSupportedError, shared_engine
 from langchain_specprefill.messages import UnsupportedContentError
-from specprefill_engine.engine.events import ReasoningEvent, TextEvent, ToolCallEvent
-from specprefill_engine.engine.tool_calls import OutputParser
+from specprefill_engine.chat.parser_events import ReasoningEvent, TextEvent, ToolCallEvent
+from specprefill_engine.chat.tool_calls import OutputParser
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.loading import DEMO_TARGET
 

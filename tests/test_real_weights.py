@@ -18,7 +18,7 @@ from specprefill_engine import gguf as conversion
 from specprefill_engine.core import score_tokens, select_chunks
 from specprefill_engine.loading import load_model
 from specprefill_engine.prose_tasks import is_right, make_case
-from specprefill_engine.engine.call import build_call
+from specprefill_engine.chat.call import build_call
 from specprefill_server.calls import fold, served
 
 from conftest import convert_real

@@ -10,8 +10,8 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from langchain_specprefill import ChatSpecPrefill
 from models import ROPE_CASES, save_with_demo_tokenizer
 from specprefill_engine import Engine
-from specprefill_engine.engine.events import TextEvent, ToolCallEvent
-from specprefill_engine.engine.tool_calls import OutputParser
+from specprefill_engine.chat.parser_events import TextEvent, ToolCallEvent
+from specprefill_engine.chat.tool_calls import OutputParser
 from specprefill_engine.loading import DEMO_TARGET
 from test_server import ASK, served  # noqa: F401  (served: the fixture)
 

@@ -25,9 +25,9 @@ from pydantic import TypeAdapter
 from chat_templates import DEMO_TEMPLATE, demo_variant
 from models import save_long_context_model
 from specprefill_engine import Engine
-from specprefill_engine.engine.constrained import MAX_PARALLEL_CALLS
-from specprefill_engine.engine.events import ReasoningEvent, TextEvent, ToolCallEvent
-from specprefill_engine.engine.tool_calls import OutputParser
+from specprefill_engine.chat.constrained import MAX_PARALLEL_CALLS
+from specprefill_engine.chat.parser_events import ReasoningEvent, TextEvent, ToolCallEvent
+from specprefill_engine.chat.tool_calls import OutputParser
 from specprefill_server import ServerConfig
 from specprefill_server.anthropic_api import MessagesRequest, messages_call
 from specprefill_server.calls import served as served_events

@@ -13,7 +13,7 @@ from langchain_specprefill import ChatSpecPrefill
 from specprefill_engine import Engine
 from specprefill_engine.core import select_chunks
 from specprefill_engine.demo_tasks import make_case
-from specprefill_engine.engine.chat import render_chat
+from specprefill_engine.chat.render import render_chat
 from specprefill_engine.engine.policy import expected_kept
 from specprefill_engine.engine.runtime import EngineConfig
 
@@ -86,7 +86,7 @@ def test_an_agent_with_a_document_in_its_system_prompt_uses_specprefill(demo_pai
 
 
 def test_the_server_renders_with_the_engines_system_cap():
-    from specprefill_engine.engine.call import build_call
+    from specprefill_engine.chat.call import build_call
 
     with Engine(system_message_cap=64, densify="off") as engine:
         case = make_case(engine.tokenizer, 0, "registry", 1500)

@@ -19,7 +19,7 @@ from chat_templates import THINKING_TEMPLATE, demo_variant
 from decoding import allowed_tokens, constrained_decode
 from langchain_specprefill import ChatSpecPrefill
 from specprefill_engine import Engine
-from specprefill_engine.engine.constrained import make_constraint
+from specprefill_engine.chat.constrained import make_constraint
 from specprefill_engine.loading import load_model
 
 agents = pytest.importorskip("langchain.agents")

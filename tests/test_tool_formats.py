@@ -18,7 +18,7 @@ from decoding import allowed_tokens, constrained_decode
 from langchain_specprefill import ChatSpecPrefill
 from langchain_specprefill.chat_model import ToolsNotSupportedError
 from specprefill_engine import Engine
-from specprefill_engine.engine.constrained import make_constraint
+from specprefill_engine.chat.constrained import make_constraint
 from specprefill_engine.loading import load_model
 
 pytestmark = pytest.mark.timeout(600)

@@ -6,7 +6,7 @@ reasoning, tool calls), so invoke, stream and astream_events give the same messa
 Every chat model with the same (model, draft, dtype) shares one engine; `keep`,
 `threshold` and the sampling settings travel with each request. Constructing a chat
 model loads nothing, and the async entry points never wait on the event loop: the
-model load and the chat template's one render (`engine/chat.py`) run in a thread.
+model load and the chat template's one render (`chat/render.py`) run in a thread.
 """
 
 import asyncio
@@ -31,11 +31,11 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from specprefill_engine import Engine
 
 from specprefill_engine.engine import check_request
-from specprefill_engine.engine.call import Call, build_call
-from specprefill_engine.engine.chat import tools_problem
-from specprefill_engine.engine.events import ReasoningEvent, TextEvent
+from specprefill_engine.chat.call import Call, build_call
+from specprefill_engine.chat.render import tools_problem
+from specprefill_engine.chat.parser_events import ReasoningEvent, TextEvent
 from specprefill_engine.engine.sampling import check_keywords
-from specprefill_engine.engine.tool_calls import ToolsNotSupportedError, check_tool_choice
+from specprefill_engine.chat.tool_calls import ToolsNotSupportedError, check_tool_choice
 from specprefill_engine.loading import DTYPES, resolve_dtype
 
 from .messages import to_chat_messages
@@ -253,7 +253,7 @@ class ChatSpecPrefill(BaseChatModel):
 
     def _request(self, messages: list[BaseMessage], stop: Optional[list[str]],
                  kwargs: dict) -> tuple:
-        """(the engine call, its output parser, timeout) for one call (`engine/call.py`,
+        """(the engine call, its output parser, timeout) for one call (`chat/call.py`,
         as the server builds its calls). Loads the model on first use and renders the
         chat template: async callers run it in a thread."""
         kwargs = dict(kwargs)

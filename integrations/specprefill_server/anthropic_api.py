@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse
 
-from specprefill_engine.engine.events import ReasoningEvent, TextEvent, ToolCallEvent
+from specprefill_engine.chat.parser_events import ReasoningEvent, TextEvent, ToolCallEvent
 from specprefill_engine.engine.results import Progress
 
 from .calls import (

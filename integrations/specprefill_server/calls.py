@@ -1,4 +1,4 @@
-"""What the APIs share beyond the engine's call (`engine/call.py`): reading a request
+"""What the APIs share beyond the engine's call (`chat/call.py`): reading a request
 (its unknown fields, system messages, text parts, engine settings) and reading the
 output as these APIs serve it (`served`, `fold`).
 
@@ -17,8 +17,8 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from specprefill_engine.engine.call import Call, build_call
-from specprefill_engine.engine.events import ReasoningEvent, TextEvent, ToolCallEvent
+from specprefill_engine.chat.call import Call, build_call
+from specprefill_engine.chat.parser_events import ReasoningEvent, TextEvent, ToolCallEvent
 
 from .errors import APIError
 

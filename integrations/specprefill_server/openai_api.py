@@ -29,7 +29,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from pydantic import ConfigDict, Field
 from starlette.responses import JSONResponse
 
-from specprefill_engine.engine.events import ReasoningEvent, TextEvent, ToolCallEvent
+from specprefill_engine.chat.parser_events import ReasoningEvent, TextEvent, ToolCallEvent
 from specprefill_engine.engine.results import Progress
 from specprefill_engine.engine.sampling import MAX_LOGPROBS, SamplingParams
 

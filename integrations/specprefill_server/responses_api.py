@@ -37,7 +37,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
-from specprefill_engine.engine.events import ReasoningEvent, ToolCallEvent
+from specprefill_engine.chat.parser_events import ReasoningEvent, ToolCallEvent
 from specprefill_engine.engine.results import Progress
 
 from .calls import Call, Extensions, Loose, content_text, note_ignored, report, served, warn_once

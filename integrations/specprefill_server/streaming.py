@@ -118,7 +118,7 @@ async def output_events(engine, gate: Gate, call: Call, request_id: str, keepali
     """A streamed request as events: `Opened` once the engine has taken it, then, while
     it waits for its first token, `KeepAlive` every `keepalive` seconds, or the engine's
     `Progress` when the client asked for it and the prefill moved; then the output's
-    `served` events (`engine/events.py`), each chunk's led by `Logprobs` when the call
+    `served` events (`chat/parser_events.py`), each chunk's led by `Logprobs` when the call
     asked for them, then `End`. Whether the engine has it is polled at 1, 2, 4, ... ms:
     the headers then reach the client while the prefill runs, not with the first token."""
     with gate.admitted(request_id):

@@ -21,11 +21,12 @@ from typing import AsyncIterator, Callable, Iterator, Optional, Union
 import numpy as np
 
 from ..loading import DEMO_DRAFT, DEMO_TARGET, resolve_dtype, resolve_model_path
-from .chat import Rendered, check_text, render_chat
+from ..chat.render import Rendered, check_text, render_chat
 from .delivery import Mailbox
 from .output import OutputProcessor
 from .results import Chunk, Progress, Result
-from .distributed import FollowerWorker, distributed_group
+from .distributed import distributed_group
+from .follower import FollowerWorker
 from .runtime import (
     EngineConfig, EngineInfo, check_count, check_draft_tokens, check_keep, load_runtime,
     load_target,
@@ -317,7 +318,7 @@ class Engine:
         if not isinstance(clamp_max_tokens, bool):
             raise TypeError(f"clamp_max_tokens must be True or False, got {clamp_max_tokens!r}")
         if response_format is not None:
-            from .constrained import check_response_format
+            from ..chat.constrained import check_response_format
 
             response_format = check_response_format(response_format)
         tokens, rendered = tokenize_prompt(prompt, info.tokenizer, info.vocab_size, tools,
@@ -339,7 +340,7 @@ class Engine:
                 max_tokens = room
         constraint = None
         if response_format is not None:  # compiled here: a bad schema fails this call only
-            from .constrained import make_constraint, resolve_response_format
+            from ..chat.constrained import make_constraint, resolve_response_format
 
             response_format = resolve_response_format(
                 response_format, info.tokenizer, rendered.think if rendered else None, max_tokens)
@@ -415,7 +416,7 @@ class Engine:
         and the chunks' `logprobs`), `specprefill`
         (None: engine policy), `keep`, `threshold`, `tools` and `chat_template_kwargs`
         (passed to the chat template), `response_format` (constrained decoding, see
-        `constrained.py`), `logits_processors` (callables `(generated, logits) -> logits`,
+        `chat/constrained.py`), `logits_processors` (callables `(generated, logits) -> logits`,
         mlx-lm's convention, for this request only), `cache_prompt` (False: neither
         read nor fill the prefix cache), `clamp_max_tokens` (False: a max_tokens past
         the context raises ValueError instead of being clamped, as HTTP APIs answer),

@@ -20,7 +20,7 @@ from ..core.selection import BACKBONE, CHUNK_SIZE, KEEP, SPREAD, TAIL_TOKENS
 from ..loading import DEMO_DRAFT, DEMO_TARGET, ModelLoadError, check_same_tokenizer, load_model
 from .batch import batching_support
 from .decisions import Decisions
-from .chat import DEFAULT_RECENT_CAP, DEFAULT_SYSTEM_CAP
+from ..chat.render import DEFAULT_RECENT_CAP, DEFAULT_SYSTEM_CAP
 from .disk_cache import model_identity
 from .distributed import Channel, agree
 from .plan import TurnPlan

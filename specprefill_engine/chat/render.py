@@ -1,7 +1,7 @@
 """Render a chat through its template once, and derive everything else from that render.
 
 A request needs the prompt's token ids, the tokens SpecPrefill must keep (system
-prompt, tool definitions, the newest message: `segments.py`), the token where each
+prompt, tool definitions, the newest message: `chat/segments.py`), the token where each
 message starts (prefix-cache checkpoints) and whether the prompt leaves the model
 inside a think block (the output parser's first state, the grammar's reasoning part).
 Tokenizing a 32K-token prompt costs tens of milliseconds; rendering the template as

@@ -15,8 +15,8 @@ callers run it in a thread, since tokenizing a long prompt takes milliseconds.
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from .chat import Rendered, tool_request
-from .events import TextEvent
+from .render import Rendered, tool_request
+from .parser_events import TextEvent
 from .tool_calls import OutputParser
 
 
@@ -61,7 +61,7 @@ def build_call(engine, messages: list, options: dict, *, tools: Optional[list] =
                template_kwargs: Optional[dict] = None) -> Call:
     """An engine call for chat messages (OpenAI-style dicts), with tools in OpenAI's
     function form and `tool_choice` as `check_tool_choice` takes it (without tools it is
-    not read). `reasoning_budget` goes with a constrained format (`constrained.py`)."""
+    not read). `reasoning_budget` goes with a constrained format (`chat/constrained.py`)."""
     options = dict(options)
     parse_tools = False
     if tools:

@@ -53,7 +53,7 @@ hold several calls holds at most `MAX_PARALLEL_CALLS`. Tool parameters may use J
 schema keywords llguidance does not implement (`propertyNames`, `if` / `then`, `not`,
 `uniqueItems`, an unknown `format`, a look-around `pattern`, ...): those keywords are
 left out of the call grammar, with a warning naming the tool and the keyword, and the
-parser checks each call against the full schema (`tool_calls.py`). A response_format's
+parser checks each call against the full schema (`chat/tool_calls.py`). A response_format's
 own schema is compiled as given: what does not compile is a ValueError. A string
 parameter of the XML formats is free text up to its closing tag; its `enum` and
 `maxLength` are enforced, other string keywords are not.

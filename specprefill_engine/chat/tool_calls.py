@@ -4,7 +4,7 @@ LangChain chat model and the HTTP server).
 mlx-lm's tokenizer wrapper knows the model family's tool-call markers
 (`tool_call_start` / `tool_call_end`) and a `tool_parser` for what lies between
 them; think markers come from the wrapper too (`<think>` / `</think>` otherwise).
-`OutputParser` is fed text as it streams and returns events (`events.py`) as soon as
+`OutputParser` is fed text as it streams and returns events (`chat/parser_events.py`) as soon as
 they are certain: content and reasoning text (a possible partial marker at the end is
 held back), and each tool call once its end marker arrives. Markup never reaches the
 content; whitespace next to a removed block is dropped, other text is kept exactly.
@@ -36,7 +36,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .events import ReasoningEvent, TextEvent, ToolCallEvent
+from .parser_events import ReasoningEvent, TextEvent, ToolCallEvent
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_FORMATS = ("json_tools", "qwen3_coder", "glm47")  # formats with a call grammar
@@ -121,7 +121,7 @@ def schema_problem(arguments: dict, schema: Optional[dict]) -> Optional[str]:
     """Why a call's arguments break its tool's JSON schema; None when they match (or
     the schema itself is not one a validator reads, or jsonschema, in the extras that
     take tools, is not installed). Constrained calls match the grammar, which may leave
-    out keywords llguidance does not implement (`constrained.py`): this is where those
+    out keywords llguidance does not implement (`chat/constrained.py`): this is where those
     are checked."""
     if not isinstance(schema, dict) or not schema:
         return None
