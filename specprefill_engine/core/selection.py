@@ -90,28 +90,6 @@ def forced_tokens(length: int, chunk_size: int = CHUNK_SIZE, backbone_pct: float
     return must, forced & ~must
 
 
-def line_units(line_ends: np.ndarray, size: int) -> np.ndarray:
-    """Each token's unit when units are whole lines (`line_ends`: the tokens that end
-    one): consecutive lines merge while a unit holds at most `size` tokens; a longer line
-    is cut every `size` tokens. So a kept unit never ends inside a line, and two kept
-    units never glue the end of one statement to the middle of another."""
-    ends = np.flatnonzero(line_ends)
-    bounds = np.concatenate([[0], ends + 1, [line_ends.size]])
-    bounds = np.unique(bounds[(bounds >= 0) & (bounds <= line_ends.size)])
-    units = np.empty(line_ends.size, dtype=np.int64)
-    unit, filled = 0, 0
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        if filled and filled + (b - a) > size:
-            unit, filled = unit + 1, 0
-        while b - a > size - filled:  # a long line: cut where the unit is full
-            cut = a + size - filled
-            units[a:cut] = unit
-            unit, filled, a = unit + 1, 0, cut
-        units[a:b] = unit
-        filled += b - a
-    return units
-
-
 def select_chunks(
     importance: ArrayLike,
     keep_pct: float = KEEP,
@@ -125,7 +103,6 @@ def select_chunks(
     min_chunk_size: int = 8,
     min_free_chunks: int = 8,
     spread: int = SPREAD,
-    line_ends: Optional[np.ndarray] = None,
 ) -> mx.array:
     """Sorted int32 indices (into `importance`) of the kept tokens.
 
@@ -136,8 +113,7 @@ def select_chunks(
     chunk), each adding the tokens of it not kept yet, until B is reached; the
     last chunk may overshoot B by less than one chunk. must_keep's tokens come on top.
     keep_pct 1.0 keeps all. Defaults (sink 8, chunks of 32 down to 8) from the GPU quality
-    grid in docs/benchmarks.md. With `line_ends` (a mask of the tokens that end a line)
-    the units are whole lines of at most the chunk size (`line_units`), not the grid.
+    grid in docs/benchmarks.md.
     """
     if not 0.0 < keep_pct <= 1.0:
         raise ValueError(f"keep_pct must be in (0, 1], got {keep_pct}")
@@ -165,11 +141,8 @@ def select_chunks(
     if width > 0:
         values = spread_forward(values, width, must | (positions < sink_tokens))
 
-    # chunks on the absolute grid (the first and last may be partial), or whole lines
-    if line_ends is not None:
-        chunk_of = line_units(_host(line_ends, bool), size)
-    else:
-        chunk_of = positions // size - start // size
+    # chunks on the absolute grid; the first and last may be partial
+    chunk_of = positions // size - start // size
     n_chunks = int(chunk_of[-1]) + 1
     counts = np.bincount(chunk_of, minlength=n_chunks)
     means = np.bincount(chunk_of, weights=values, minlength=n_chunks) / counts
