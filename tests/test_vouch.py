@@ -204,3 +204,14 @@ def test_a_pair_that_loses_code_answers_declines_code_and_engages_on_prose(
         if not code_engaged:
             assert on_code.reason.startswith("policy: draft not vouched for: code: from the "
                                              "draft's selection the target answers 2 of the 3")
+
+
+def test_the_kind_of_content_is_code_where_a_file_sits_among_long_prose(demo_pair):
+    from specprefill_engine import code_tasks, prose_tasks
+    from specprefill_engine.core.kinds import content_kind
+
+    tokenizer = demo_pair[2]
+    prose = tokenizer.decode(prose_tasks.make_case(tokenizer, "qa", 8000, 2).ids)
+    code = tokenizer.decode(code_tasks.make_case(tokenizer, "code_return", 900, 1).ids)
+    assert content_kind(prose) == "prose" and content_kind(code) == "code"
+    assert content_kind(prose + "\n" + code) == "code"  # an agent's read file, say

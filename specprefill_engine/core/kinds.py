@@ -11,6 +11,7 @@ import re
 
 KINDS = ("code", "prose")
 CODE_SHARE = 0.3  # of the non-empty lines, looking like code: the content is code
+CODE_LINES = 40  # lines looking like code: code among more prose (a file an agent read)
 _CODE_LINE = re.compile(
     r"^\s*(def |class |import |from \S+ import |return\b|if .*:$|for .*:$|while .*:$|"
     r"elif |else:|try:|except|with .*:$|@\w|#include|fn |func |function\b|const |let |"
@@ -20,10 +21,10 @@ _CODE_LINE = re.compile(
 
 
 def content_kind(text: str) -> str:
-    """"code" where at least `CODE_SHARE` of the non-empty lines look like source code,
-    else "prose"."""
+    """"code" where at least `CODE_SHARE` of the non-empty lines, or `CODE_LINES` of them,
+    look like source code, else "prose": a file among long prose instructions is code."""
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         return "prose"
     code = sum(bool(_CODE_LINE.search(line)) for line in lines)
-    return "code" if code >= CODE_SHARE * len(lines) else "prose"
+    return "code" if code >= min(CODE_SHARE * len(lines), CODE_LINES) else "prose"
