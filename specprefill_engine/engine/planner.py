@@ -358,7 +358,7 @@ def continued_view(state: RequestState, runtime: Runtime, hit: Hit, importance: 
     missing = np.setdiff1d(wanted, held)
     new = selected[selected >= shared]
     view = f"the previous turn's view, coverage {coverage:.2f}"
-    if not missing.size or (entry.keep >= state.report.keep
+    if not missing.size or (entry.keep >= state.keep
                             and coverage >= config.reuse_coverage):
         gate = f" >= {config.reuse_coverage}, extended as it is" if missing.size else ""
         return np.concatenate([held, new]), view + gate
@@ -421,13 +421,13 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
     it), or a conversation's next turn's view (`continued_view`); then prefilled from
     what of it is cached (`plan_view`), and the decision recorded for the same request
     again."""
-    config, report, tokens = runtime.config, state.report, state.tokens
+    config, tokens = runtime.config, state.tokens
     length = tokens.size
     if config.match_weight:
         importance = with_matches(importance, question_match(
             *runtime.words(tokens), min(config.n_window, length)), config.match_weight)
     selected = np.asarray(select_chunks(
-        importance, report.keep, config.chunk_size, config.backbone_pct, config.tail_tokens,
+        importance, state.keep, config.chunk_size, config.backbone_pct, config.tail_tokens,
         must_keep=state.protected, spread=config.spread,
     ), dtype=np.int64)
     selected = cover_sliding_window(selected, make_prompt_cache(runtime.model), length, 0)
@@ -442,7 +442,7 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
 
 
 def decision_key(state: RequestState) -> bytes:
-    return request_key(state.tokens, state.specprefill, state.report.keep, state.keep_given,
+    return request_key(state.tokens, state.specprefill, state.keep, state.keep_given,
                        state.threshold)
 
 
