@@ -117,3 +117,27 @@ def test_a_template_that_strips_the_last_think_block_still_reuses_the_prompt(tmp
     assert second.usage.cached_tokens == len(without), second.specprefill.reuse
     assert f"checkpoint at {len(without)}" in second.specprefill.reuse
     assert first.usage.prompt_tokens > len(without)  # the prompt's own end is not shared
+
+
+def test_a_sliding_window_turn_reuses_its_view_up_to_a_window_before_its_end(tmp_path):
+    """A next turn feeds its own last window anew, so a turn adding fewer tokens than the
+    window restores from before the previous prompt's end: there a checkpoint waits (on
+    115a5ba only chat boundaries had one, and the turn reused nothing)."""
+    window = 256
+    path = save_with_demo_tokenizer(("gemma3_text", {
+        "sliding_window": window, "sliding_window_pattern": 2, "query_pre_attn_scalar": 16,
+        "rope_local_base_freq": 10000.0}), tmp_path)
+    with Engine(model=str(path), draft=str(path), reuse_coverage=0.0, densify="off") as engine:
+        case = make_case(engine.tokenizer, 40, "passkey", 1500)
+        first = engine.generate_sync(case.messages, max_tokens=6, specprefill=True,
+                                     ignore_eos=True)
+        grown = case.messages + [
+            {"role": "assistant", "content": first.text.strip() or "ok"},
+            {"role": "user", "content": make_case(engine.tokenizer, 50, "passkey",
+                                                  200).messages[-1]["content"]}]
+        second = engine.generate_sync(grown, max_tokens=6, specprefill=True, ignore_eos=True)
+    previous = first.usage.prompt_tokens
+    assert second.specprefill.reuse.startswith("sparse checkpoint"), second.specprefill.reuse
+    restored_at = int(second.specprefill.reuse.split("checkpoint at ")[1].split()[0])
+    assert restored_at >= previous - window - 32, second.specprefill.reuse
+    assert second.usage.cached_tokens > 0

@@ -160,10 +160,21 @@ def _set_feed(state: RequestState, runtime: Runtime, hit: Optional[Hit], cut: in
     checkpoints = {}
     if runtime.checkpointed:  # a cache that cannot be cut: a checkpoint at each boundary
         chunk_ends, checkpoints = split_at_boundaries(
-            chunk_ends, state.boundaries, cut, tokens.size, positions)
+            chunk_ends, restore_points(state, runtime), cut, tokens.size, positions)
     state.prefill = Feed(restore, tokens, positions, cached, chunk_ends, checkpoints)
     state.usage.cached_tokens = cached
     state.status = Status.PREFILLING
+
+
+def restore_points(state: RequestState, runtime: Runtime) -> tuple:
+    """Where a cache that cannot be cut keeps checkpoints: each chat boundary and, with
+    sliding windows, the chunk grid's last point a window before the prompt's end, where
+    a next turn, which feeds its own last window anew, can restore from."""
+    window = sliding_window(make_prompt_cache(runtime.model))
+    if not window:
+        return state.boundaries
+    step = runtime.config.chunk_size
+    return (*state.boundaries, (int(state.tokens.size) - window) // step * step)
 
 
 def restore_of(handle: int, hit: Optional[Hit], cut: int) -> Restore:
