@@ -14,7 +14,7 @@ rotated) is mlx-lm's business: a shadow `RotatingKVCache` of the same size is fe
 positions in place of keys, so mlx-lm's own update logic says which position each
 returned key has.
 
-A plain `KVCache` appends in feed order, and its causal mask is by that order: right as
+A plain `KVCache` (or `QuantizedKVCache`) appends in feed order, and its causal mask is by that order: right as
 long as tokens come in position order. A repair (`engine/planner.py`) feeds tokens of a
 dropped passage after entries of later positions; for such a forward the plain layers
 get the mask by position too, each query seeing the entries at or before its position.
@@ -26,7 +26,9 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import RotatingKVCache
+
+from .quantized_kv import PLAIN_KV
 
 _EMPTY = -(2**30)  # the position of a slot that holds no entry: outside every window
 
@@ -94,10 +96,12 @@ class SlidingWindows:
 
     def __init__(self, cache: list, positions: Optional[np.ndarray] = None):
         """`positions`: those of the entries already in `cache`, in order (None: 0..n-1)."""
-        self.plain = [layer for layer in cache if type(layer) is KVCache]
+        self.cache = cache  # its plain layers are looked up per forward: quantizing
+        # the KV (`quantized_kv.py`) replaces them between chunks
+        plain = [layer for layer in cache if type(layer) in PLAIN_KV]
         self.fed = None  # the plain layers' entries' positions, in cache order
-        if self.plain:
-            self.fed = np.arange(self.plain[0].offset) if positions is None \
+        if plain:
+            self.fed = np.arange(plain[0].offset) if positions is None \
                 else np.asarray(positions, dtype=np.int64).reshape(-1)
         self.groups = {}  # layers updated alike share one shadow: {state: (layers, shadow)}
         for layer in cache:
@@ -124,7 +128,9 @@ class SlidingWindows:
             keys = np.concatenate([self.fed, positions])
             if self.fed.size and positions.min() < self.fed.max():  # out of order
                 mask = _CausalByPosition(positions, keys)
-                for layer in self.plain:
+                for layer in self.cache:
+                    if type(layer) not in PLAIN_KV:
+                        continue
                     layer.make_mask = mask
                     layers.append(layer)
             self.fed = keys

@@ -15,6 +15,9 @@ from .._blas import blas_status
 from ..core import DraftScorer, Scorer
 from ..core.matching import MATCH_WEIGHT
 from ..core.prefill import STEP_SIZE
+from ..core.quantized_kv import (
+    KV_GROUP_SIZE, QUANTIZED_KV_START, QuantizedKV, check_kv_bits, quantized_kv_support,
+)
 from ..core.scoring import N_LOOKAHEAD, N_WINDOW, POOL_KERNEL, default_draft_step_size
 from ..core.selection import BACKBONE, CHUNK_SIZE, KEEP, SPREAD, TAIL_TOKENS
 from ..loading import DEMO_DRAFT, DEMO_TARGET, ModelLoadError, check_same_tokenizer, load_model
@@ -104,9 +107,16 @@ class EngineConfig:
     # speculative decoding: tokens the draft proposes a round for a greedy request that
     # decodes alone (`speculative.py`); 0: off. Requests can set their own
     num_draft_tokens: int = 0
+    # quantized KV, mlx-lm's settings: the target's KV (running requests' and its prefix
+    # cache's) in `kv_bits` (4 or 8; None: the model's dtype), groups of `kv_group_size`
+    # along the head dimension, once a cache holds `quantized_kv_start` entries
+    kv_bits: Optional[int] = None
+    kv_group_size: int = KV_GROUP_SIZE
+    quantized_kv_start: int = QUANTIZED_KV_START
 
     def __post_init__(self):
         check_keep(self.keep)
+        check_kv_bits(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
         if isinstance(self.match_weight, bool) or not isinstance(self.match_weight, (int, float)) \
                 or not math.isfinite(self.match_weight) or self.match_weight < 0:
             raise ValueError(f"match_weight must be a number >= 0 (0: off), got "
@@ -167,6 +177,7 @@ class Runtime:
     vouch: Optional[DraftCheck] = None  # what the engine knows of its draft; None: no draft
     speculative_reason: str = ""  # why the pair cannot decode speculatively; "": it can
     words: Optional[TokenWords] = None  # the tokens' words, where the selection matches them
+    kv: Optional[QuantizedKV] = None  # how the target's KV is quantized; None: not
 
 
 @dataclass(frozen=True)
@@ -213,18 +224,38 @@ def kv_bytes_per_token(model: nn.Module) -> int:
     return total
 
 
+def quantized_kv_of(config: EngineConfig, model: nn.Module, group) -> Optional[QuantizedKV]:
+    """The engine's `QuantizedKV`, or None; a target that cannot take it is refused by
+    name (ValueError)."""
+    if config.kv_bits is None:
+        return None
+    kv = QuantizedKV(config.kv_bits, config.kv_group_size, config.quantized_kv_start)
+    if group is not None:
+        raise ValueError(f"kv_bits={kv.bits}: quantized KV is not supported on a sharded "
+                         "target (mlx.launch): only rank 0 is given the setting")
+    refused = quantized_kv_support(model, kv)
+    if refused:
+        raise ValueError(f"kv_bits={kv.bits}, kv_group_size={kv.group_size}: this target's "
+                         f"KV cannot be quantized ({refused})")
+    return kv
+
+
 def dtype_of(model: nn.Module) -> str:
     """The dtype the model's floating weights run in."""
     return next((str(v.dtype) for _, v in tree_flatten(model.parameters())
                  if mx.issubdtype(v.dtype, mx.floating)), "")
 
 
-def identity_of(path: Optional[str], model: Optional[nn.Module]) -> str:
+def identity_of(path: Optional[str], model: Optional[nn.Module],
+                kv: Optional[QuantizedKV] = None) -> str:
     """The model's `model_identity` for its disk tier, "" when there is none to give
-    (no model, or a hub id whose files are not found locally)."""
+    (no model, or a hub id whose files are not found locally). Quantized KV is part of
+    it: an engine never reads another setting's files."""
     if path is None or model is None:
         return ""
     dtype = dtype_of(model)
+    if kv is not None:
+        dtype = f"{dtype}:kv{kv.bits}g{kv.group_size}s{kv.start}"
     try:
         return model_identity(path, dtype)
     except (OSError, ValueError, ImportError) as error:
@@ -306,6 +337,10 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
     channel = Channel(group) if group is not None else None
     scorer = draft = None
     try:
+        kv = quantized_kv_of(config, model, group)
+        if kv is not None and not batch_reason:  # as mlx_lm.server: no batch with kv_bits
+            batch_reason = (f"kv_bits={kv.bits}: mlx-lm has no batched quantized KV cache, "
+                            "so each request decodes in its own forward")
         if draft_path is not None:
             draft, draft_tokenizer = load_model(draft_path, dtype=dtype)
             check_same_tokenizer(tokenizer, draft_tokenizer)
@@ -332,11 +367,11 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
             vouch.run(model, draft, tokenizer)
     identities = ("", "")
     if config.prefix_cache_disk_bytes and group is None:  # a shard's KV is its rank's alone
-        identities = (identity_of(model_path, model), identity_of(draft_path, draft))
+        identities = (identity_of(model_path, model, kv), identity_of(draft_path, draft))
     return Runtime(model, tokenizer, scorer, config, context_length_of(model), batch_reason,
                    kv_bytes, vocab_size_of(model, tokenizer), costs,
                    checkpointed=checkpointed(model), group=group,
                    channel=channel, identities=identities, vouch=vouch,
                    speculative_reason=refused,
                    words=TokenWords(tokenizer) if draft is not None and config.match_weight
-                   else None)
+                   else None, kv=kv)

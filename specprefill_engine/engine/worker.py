@@ -202,7 +202,7 @@ class Worker:
         caches, (store, draft_store) = make_prefix_caches(runtime, disk)
         self.prefix_caches = caches  # for inspection only, as `runtime`
         self.executor = Executor(runtime.model, store, runtime.group,
-                                 scorer=runtime.scorer, draft_prefix=draft_store)
+                                 scorer=runtime.scorer, draft_prefix=draft_store, kv=runtime.kv)
         if runtime.group is not None:
             self._watchdog = Watchdog(runtime.config.rank_timeout, self._rank_lost)
         ranks = runtime.group.size() if runtime.group is not None else 1
