@@ -217,13 +217,19 @@ class Engine:
 
     def stats(self) -> dict:
         """What the engine has done in the background: `densify` (a `DensifyStats`:
-        turns densified, tokens computed, seconds spent, turns pending) and, with a
+        turns densified, tokens computed, seconds spent, turns pending), `memory` (a
+        `memory.MemoryStats`: the KV budget and where it came from, what is held now:
+        each running request's reservation, target and draft, and each prefix cache,
+        requests refused as larger than the budget, cache entries dropped to make room)
+        and, with a
         prefix cache on disk (`prefix_cache_disk_bytes`), `disk` (a `DiskStats`: files
         written and read, their bytes and seconds, reads skipped as slower than
         prefilling, broken files ignored, why the tier is off)."""
         if self.rank:
             return {}
         stats = {"densify": replace(self._worker.densify_stats)}
+        if self._worker.memory_stats is not None:
+            stats["memory"] = self._worker.memory_stats
         if self._worker.disk_stats is not None:
             stats["disk"] = replace(self._worker.disk_stats)
         return stats

@@ -27,6 +27,7 @@ from .disk_cache import model_identity
 from .distributed import Channel, agree
 from .plan import TurnPlan
 from .kv_store import checkpointed
+from .memory import KVRates, MemoryBudget, device_memory, memory_budget, weights_bytes
 from .policy import CostModel, cost_model
 from .speculative import speculative_support
 from .vouch import DraftCheck, DraftVerdict
@@ -70,7 +71,8 @@ class EngineConfig:
     """Engine-wide settings; `keep`, `threshold` and `specprefill` can be overridden
     per request. `step_size` (target prefill unit) and `draft_step_size` (the draft's
     scoring chunk) None pick the device's defaults on the worker; `kv_cache_bytes`
-    None puts no byte limit on admitted requests' KV."""
+    is the memory for running requests' KV and the prefix caches (None: what the device
+    can hold, less the weights: `memory.py`)."""
 
     keep: float = KEEP
     threshold: int = 1024
@@ -178,6 +180,8 @@ class Runtime:
     speculative_reason: str = ""  # why the pair cannot decode speculatively; "": it can
     words: Optional[TokenWords] = None  # the tokens' words, where the selection matches them
     kv: Optional[QuantizedKV] = None  # how the target's KV is quantized; None: not
+    memory: Optional[MemoryBudget] = None  # what running requests' KV and the caches may hold
+    rates: Optional[KVRates] = None  # KV bytes per entry, of each model
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,12 @@ def quantized_kv_of(config: EngineConfig, model: nn.Module, group) -> Optional[Q
         raise ValueError(f"kv_bits={kv.bits}, kv_group_size={kv.group_size}: this target's "
                          f"KV cannot be quantized ({refused})")
     return kv
+
+
+def itemsize_of(model: nn.Module) -> int:
+    """Bytes of one element of the model's KV: its floating weights' dtype."""
+    return next((v.dtype.size for _, v in tree_flatten(model.parameters())
+                 if mx.issubdtype(v.dtype, mx.floating)), 4)
 
 
 def dtype_of(model: nn.Module) -> str:
@@ -329,6 +339,7 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
     if mx.default_device() == mx.cpu and blas_status().startswith("mlx.core was imported first"):
         logger.warning("MLX runs on its reference BLAS (far slower on a CPU): import "
                        "specprefill_engine before mlx or mlx_lm to load an optimized one")
+    device = device_memory() if config.kv_cache_bytes is None else (0, "")  # before the weights
     if config.step_size is None:
         config = replace(config, step_size=default_step_size())
     if config.draft_step_size is None:
@@ -365,6 +376,9 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
         vouch = draft_check(model_path, draft_path, model, draft, config, group is not None)
         if config.draft_check == "load" and vouch.pending:
             vouch.run(model, draft, tokenizer)
+    rates = KVRates(kv_bytes, kv_bytes_per_token(draft) if draft is not None else 0,
+                    itemsize_of(model), kv)
+    memory = memory_budget(config.kv_cache_bytes, device, weights_bytes(model, draft))
     identities = ("", "")
     if config.prefix_cache_disk_bytes and group is None:  # a shard's KV is its rank's alone
         identities = (identity_of(model_path, model, kv), identity_of(draft_path, draft))
@@ -374,4 +388,4 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
                    channel=channel, identities=identities, vouch=vouch,
                    speculative_reason=refused,
                    words=TokenWords(tokenizer) if draft is not None and config.match_weight
-                   else None, kv=kv)
+                   else None, kv=kv, memory=memory, rates=rates)
