@@ -127,3 +127,16 @@ def test_kv_bits_settings_are_checked():
         Engine(kv_bits=8, kv_group_size=48)
     with pytest.raises(ValueError, match="quantized_kv_start"):
         Engine(kv_bits=8, quantized_kv_start=-1)
+
+
+def test_the_cli_and_serve_take_the_memory_flags():
+    from specprefill_engine.cli import make_engine, parser
+
+    for command in (["serve"], ["ask", "notes.txt", "-q", "why?"]):
+        args = parser().parse_args(command + ["--kv-bits", "4", "--kv-group-size", "32",
+                                              "--quantized-kv-start", "0", "--kv-cache-gb", "2"])
+        engine = make_engine(args)
+        assert (engine.config.kv_bits, engine.config.kv_group_size,
+                engine.config.quantized_kv_start, engine.config.kv_cache_bytes) == \
+            (4, 32, 0, 2_000_000_000)
+        engine.shutdown_sync()
