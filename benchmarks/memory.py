@@ -142,7 +142,8 @@ def sessions(args) -> list:
             weights = shape["parameters"] * bits / 8
             budget = gb * 1e9 * args.working_set_share * (1 - HEADROOM) - weights
             for keep, kv_bits in settings(args.keeps, args.kv_bits):
-                for start in sorted({args.quantized_kv_start, 0}) if kv_bits else [None]:
+                for start in sorted({args.quantized_kv_start, 0, QUANTIZED_KV_START}) if kv_bits \
+                        else [None]:
                     entries = math.ceil(SESSION_TOKENS * (keep or 1.0))
                     kv = QuantizedKV(kv_bits, args.kv_group_size, start) if kv_bits else None
                     per = kv_bytes(rate, entries, kv, shape["itemsize"])

@@ -123,6 +123,16 @@ class Reservation:
         return self.target + self.draft
 
 
+def reservation(rates: KVRates, prompt: int, entries: int, max_tokens: int, scored: bool,
+                proposes: bool) -> Reservation:
+    """What a request may come to hold: its target KV for `entries` prompt entries (the
+    kept ones once selected) and `max_tokens`, and the draft's of the prompt while it is
+    `scored` (and of the reply where it `proposes` one)."""
+    draft = rates.draft_bytes(prompt + (max_tokens if proposes else 0)) if scored or proposes \
+        else 0
+    return Reservation(rates.target_bytes(entries + max_tokens), draft)
+
+
 def need_message(need: Reservation, budget: MemoryBudget, entries: str) -> str:
     return (f"this request needs {need.total / GB:.3f} GB of KV memory ({entries}: target "
             f"{need.target / GB:.3f} GB, draft {need.draft / GB:.3f} GB), more than the "
@@ -143,5 +153,4 @@ class MemoryStats:
     requests: dict = field(default_factory=dict)  # request id -> {"target", "draft"} reserved
     prefix_cache: int = 0
     draft_prefix_cache: int = 0
-    refused: int = 0  # requests refused as larger than the budget
     evicted: int = 0  # prefix-cache entries dropped to make room for a request

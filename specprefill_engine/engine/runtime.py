@@ -196,6 +196,8 @@ class EngineInfo:
     vocab_size: int
     ranks: int = 1  # processes the target is sharded over
     draft: Optional[DraftVerdict] = None  # the draft check's verdict now; None: no draft
+    memory: Optional[MemoryBudget] = None  # the KV budget (rank 0)
+    rates: Optional[KVRates] = None  # KV bytes per entry of each model (rank 0)
 
 
 def context_length_of(model: nn.Module) -> Optional[int]:

@@ -52,7 +52,7 @@ from .disk_cache import FOLDER as DISK_FOLDER, DiskCache, DiskStats
 from .distributed import Watchdog
 from .executor import Executor, TurnOutcome
 from .kv_store import KVStore
-from .memory import MemoryBudgetError, MemoryStats, Reservation, need_message
+from .memory import MemoryBudgetError, MemoryStats, Reservation, need_message, reservation
 from .plan import Join, Store, TurnPlan
 from .planner import (
     PrefixCaches, begin, caches_for, fall_back_to_dense, find_dense, plan_dense, plan_sparse,
@@ -145,7 +145,7 @@ class Worker:
         self.draft_check = None  # the runtime's `DraftCheck` (it holds no model), once loaded
         self._reserved = 0  # bytes every admitted request's `Reservation` adds up to
         self.memory_stats: Optional[MemoryStats] = None  # a new one each turn (`stats()`)
-        self._refused = self._evicted = 0
+        self._evicted = 0  # prefix-cache entries dropped to make room for requests
         self.runtime: Optional[Runtime] = None
         self.executor: Optional[Executor] = None
         self.prefix_caches: Optional[PrefixCaches] = None
@@ -212,7 +212,8 @@ class Worker:
         ranks = runtime.group.size() if runtime.group is not None else 1
         self.ready.set_result(EngineInfo(runtime.tokenizer, runtime.context_length,
                                          not runtime.batch_reason, runtime.batch_reason,
-                                         runtime.config.step_size, runtime.vocab_size, ranks))
+                                         runtime.config.step_size, runtime.vocab_size, ranks,
+                                         memory=runtime.memory, rates=runtime.rates))
         try:
             while self._turn(runtime, caches):
                 pass
@@ -307,16 +308,13 @@ class Worker:
         """What `state` may come to hold: its target KV for the prompt (its kept entries
         once selected) and max_tokens, and the draft's of the prompt while it may be
         scored (`scored` None: not known yet) or proposes the reply."""
-        rates, prompt = runtime.rates, int(state.tokens.size)
+        prompt = int(state.tokens.size)
         entries = prompt if state.positions is None else int(state.positions.size)
         proposes = state.speculative
         if scored is None:  # before admission: whatever the draft may do
             scored = runtime.scorer is not None and state.specprefill is not False
             proposes = runtime.scorer is not None and state.num_draft_tokens > 0
-        draft = 0
-        if scored or proposes:
-            draft = rates.draft_bytes(prompt + (state.max_tokens if proposes else 0))
-        return Reservation(rates.target_bytes(entries + state.max_tokens), draft)
+        return reservation(runtime.rates, prompt, entries, state.max_tokens, scored, proposes)
 
     def _reserve(self, state: RequestState, reservation: Reservation) -> None:
         self._reserved += reservation.total - state.reserved.total
@@ -339,7 +337,7 @@ class Worker:
                     for s in self._live() if s.reserved.total}
         self.memory_stats = MemoryStats(budget.budget, budget.source, budget.device_bytes,
                                         budget.weights_bytes, self._reserved + target + draft,
-                                        requests, target, draft, self._refused, self._evicted)
+                                        requests, target, draft, self._evicted)
 
     def _report_memory(self, state: RequestState, runtime: Runtime) -> None:
         """The KV the request holds at its end, in its report (`kv_bytes`)."""
@@ -614,8 +612,7 @@ class Worker:
         if running >= runtime.config.max_batch_size:
             return False
         need = self._reservation(state, runtime)
-        if need.total > runtime.memory.budget:  # it cannot fit even alone: refused now
-            self._refused += 1
+        if need.total > runtime.memory.budget:  # `Engine._prepare` refuses it first
             self._end(state, error=MemoryBudgetError(need_message(
                 need, runtime.memory, f"{state.tokens.size} prompt tokens + max_tokens "
                 f"{state.max_tokens}")))
