@@ -16,5 +16,6 @@ from .engine.tool_calls import ToolsNotSupportedError  # noqa: E402
 from .loading import ModelLoadError, load_model  # noqa: E402
 
 __all__ = ["Chunk", "Engine", "EngineFailedError", "MemoryBudgetError", "ModelLoadError",
-           "RequestFailedError", "Result", "ToolsNotSupportedError", "UnsupportedModelError", "load_model"]
+           "RequestFailedError", "Result", "ToolsNotSupportedError", "UnsupportedModelError",
+           "load_model"]
 __version__ = "0.1.0"

@@ -140,3 +140,27 @@ def test_the_cli_and_serve_take_the_memory_flags():
                 engine.config.quantized_kv_start, engine.config.kv_cache_bytes) == \
             (4, 32, 0, 2_000_000_000)
         engine.shutdown_sync()
+
+
+def test_a_repair_forward_masks_quantized_layers_by_position(demo_pair):
+    """The cache is quantized after the windows were made (as after a chunk): the repair
+    forward's mask by position reaches the quantized layers, which hold every entry."""
+    import numpy as np
+    from specprefill_engine.core.prefill import prefill_chunk
+    from specprefill_engine.core.windows import SlidingWindows
+
+    target, _, _ = demo_pair
+    held = np.concatenate([np.arange(0, 100), np.arange(250, 400)])
+    cache = make_prompt_cache(target)
+    prefill_chunk(target, mx.array(np.arange(10, 10 + held.size)), cache, held)
+    windows = SlidingWindows(cache, held)
+    QuantizedKV(8, 64, 0).apply(cache)
+    chunk = np.concatenate([np.arange(130, 160), np.arange(400, 410)])
+    with windows.by_position(chunk):
+        assert all(isinstance(layer, QuantizedKVCache) for layer in windows.plain)
+        masks = [layer.make_mask(chunk.size) for layer in cache]
+        logits = prefill_chunk(target, mx.array(np.arange(500, 500 + chunk.size)), cache)
+    keys = np.concatenate([held, chunk])
+    assert all(m is masks[0] for m in masks)
+    assert np.array_equal(np.array(masks[0]), keys[None] <= chunk[:, None])
+    assert cache[0].offset == keys.size and logits is None

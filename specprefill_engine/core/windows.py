@@ -14,10 +14,11 @@ rotated) is mlx-lm's business: a shadow `RotatingKVCache` of the same size is fe
 positions in place of keys, so mlx-lm's own update logic says which position each
 returned key has.
 
-A plain `KVCache` (or `QuantizedKVCache`) appends in feed order, and its causal mask is by that order: right as
-long as tokens come in position order. A repair (`engine/planner.py`) feeds tokens of a
-dropped passage after entries of later positions; for such a forward the plain layers
-get the mask by position too, each query seeing the entries at or before its position.
+A plain `KVCache` (or `QuantizedKVCache`) appends in feed order, and its causal mask is
+by that order: right as long as tokens come in position order. A repair
+(`engine/planner.py`) feeds tokens of a dropped passage after entries of later
+positions; for such a forward the plain layers get the mask by position too, each query
+seeing the entries at or before its position.
 """
 
 from contextlib import contextmanager
@@ -98,7 +99,7 @@ class SlidingWindows:
         """`positions`: those of the entries already in `cache`, in order (None: 0..n-1)."""
         self.cache = cache  # its plain layers are looked up per forward: quantizing
         # the KV (`quantized_kv.py`) replaces them between chunks
-        plain = [layer for layer in cache if type(layer) in PLAIN_KV]
+        plain = self.plain
         self.fed = None  # the plain layers' entries' positions, in cache order
         if plain:
             self.fed = np.arange(plain[0].offset) if positions is None \
@@ -118,6 +119,11 @@ class SlidingWindows:
                 self.groups[key] = ([], _shadow(layer, held))
             self.groups[key][0].append(layer)
 
+    @property
+    def plain(self) -> list:
+        """The cache's plain layers now (quantized or not)."""
+        return [layer for layer in self.cache if type(layer) in PLAIN_KV]
+
     @contextmanager
     def by_position(self, positions: np.ndarray) -> Iterator[None]:
         """For one forward of tokens at `positions`: the rotating caches mask by position."""
@@ -128,9 +134,7 @@ class SlidingWindows:
             keys = np.concatenate([self.fed, positions])
             if self.fed.size and positions.min() < self.fed.max():  # out of order
                 mask = _CausalByPosition(positions, keys)
-                for layer in self.cache:
-                    if type(layer) not in PLAIN_KV:
-                        continue
+                for layer in self.plain:
                     layer.make_mask = mask
                     layers.append(layer)
             self.fed = keys

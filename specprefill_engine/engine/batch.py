@@ -80,9 +80,9 @@ def batching_support(model: nn.Module) -> str:
 
 
 def cut_cache(cache: list, count: int) -> list:
-    """The first `count` entries of a row's plain KV caches (quantized or not), as views (no copy: a later
-    write into the live cache copies its buffer first, MLX arrays being values); the
-    layers that cannot be cut as they are (they hold what the row was fed)."""
+    """The first `count` entries of a row's plain KV caches (quantized or not), as views
+    (no copy: a later write into the live cache copies its buffer first, MLX arrays being
+    values); the layers that cannot be cut as they are (they hold what the row was fed)."""
     return [cut_layer(layer, count) if type(layer) in PLAIN_KV else layer for layer in cache]
 
 
