@@ -77,6 +77,10 @@ SHAPES = {
     # that builds it: a CPU stand-in for decode bound by the host, as an 8B model is on an H200
     "qwen3-8b-host": dict(hidden_size=64, num_hidden_layers=36, intermediate_size=128,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    # a layout whose 32K-token prompt prefills in seconds on a 2-core CPU, with head_dim
+    # 64 so quantized KV (groups of 64) applies: memory measurements at long context
+    "qwen3-narrow": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64),
     "qwen3-small": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
                         num_attention_heads=8, num_key_value_heads=2, head_dim=64),  # CPU scale
     "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,

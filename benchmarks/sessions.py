@@ -641,10 +641,11 @@ class Server:
                 command += ["--draft", args.draft]
             if name == "serve-dense":
                 command += ["--threshold", str(10**9)]
-            for flag in ("prefix_cache_bytes", "draft_prefix_cache_bytes", "kv_cache_bytes",
-                         "disk_cache_gb"):
+            for flag in ("prefix_cache_bytes", "draft_prefix_cache_bytes", "disk_cache_gb"):
                 if getattr(args, flag) is not None:
                     command += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+            if args.kv_cache_bytes is not None:
+                command += ["--kv-cache-gb", str(args.kv_cache_bytes / 1e9)]
         self.command = command
         self.log = self.dir / "server.log"
         with open(self.log, "w") as log:
@@ -923,8 +924,7 @@ def parse(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.target_shape:
-        sys.path.insert(0, str(Path(__file__).parent))
-        from random_models import random_model_dir
+        from common import random_model_dir
 
         args.model = random_model_dir(args.target_shape)
         args.draft = args.draft or random_model_dir(args.draft_shape, seed=1)

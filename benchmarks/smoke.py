@@ -65,7 +65,10 @@ RUNS = {
     ],
     "plots.py": [["--check"]],
     "sessions.py": [],  # --help only: tests/test_sessions.py replays three sessions
-    "memory.py": [],
+    "memory.py": [
+        ["--target-shape", "qwen3-narrow", "--draft-shape", "tiny", "--lengths", "256",
+         "--max-tokens", "2", "--quality-lengths", "--json", "{json}"],
+    ],
 }
 
 

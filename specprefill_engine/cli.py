@@ -120,11 +120,18 @@ class ProgressLine:
 
 def make_engine(args, **config):
     """The Engine the command's --model, --draft, --keep, --threshold,
-    --num-draft-tokens and --disk-cache-gb describe."""
+    --num-draft-tokens, --kv-bits, --kv-group-size, --quantized-kv-start, --kv-cache-gb
+    and --disk-cache-gb describe."""
     from .engine import Engine
 
-    settings = {name: getattr(args, name) for name in ("keep", "threshold", "num_draft_tokens")
-                if getattr(args, name, None) is not None}
+    settings = {name: getattr(args, name) for name in (
+        "keep", "threshold", "num_draft_tokens", "kv_bits", "kv_group_size", "quantized_kv_start")
+        if getattr(args, name, None) is not None}
+    memory = getattr(args, "kv_cache_gb", None)
+    if memory is not None:
+        if not (math.isfinite(memory) and memory > 0):
+            raise UsageError(f"--kv-cache-gb must be > 0, got {memory}")
+        settings["kv_cache_bytes"] = int(memory * 1e9)
     gb = args.disk_cache_gb
     if gb is None:
         gb = DISK_CACHE_GB.get(args.command, 0.0)
@@ -396,7 +403,7 @@ def cmd_serve(args) -> int:
 def serve_settings(args) -> dict:
     """The engine settings serve's own flags give (the rest: the engine's defaults)."""
     return {name: getattr(args, name) for name in
-            ("max_batch_size", "prefix_cache_bytes", "draft_prefix_cache_bytes", "kv_cache_bytes")
+            ("max_batch_size", "prefix_cache_bytes", "draft_prefix_cache_bytes")
             if getattr(args, name, None) is not None}
 
 
@@ -422,6 +429,19 @@ def parser() -> argparse.ArgumentParser:
                         help="speculative decoding: tokens the draft proposes a round for a "
                         "greedy reply decoded alone (the same reply, fewer target forwards; "
                         f"default {EngineConfig.num_draft_tokens}: off)")
+    models.add_argument("--kv-bits", type=int, choices=[4, 8],
+                        help="quantize the target's KV (running requests' and the prefix "
+                        "cache's) to this many bits, as mlx-lm's --kv-bits (default: the "
+                        "model's dtype)")
+    models.add_argument("--kv-group-size", type=int, help="group size of quantized KV "
+                        f"(default {EngineConfig.kv_group_size})")
+    models.add_argument("--quantized-kv-start", type=int, metavar="N",
+                        help="quantize a request's KV once it holds N entries "
+                        f"(default {EngineConfig.quantized_kv_start})")
+    models.add_argument("--kv-cache-gb", type=float, metavar="GB",
+                        help="memory for running requests' KV and the prefix caches (default: "
+                        "what the device can hold, less the weights); a request that cannot "
+                        "fit is refused")
     models.add_argument("--disk-cache-gb", type=float, metavar="GB",
                         help="keep prefix caches on disk within this many GB, for later runs "
                         "(default 10 for chat and serve, 0 (off) for the others)")
@@ -497,9 +517,6 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft-prefix-cache-bytes", type=int, metavar="BYTES",
                        help="the draft's prefix cache in memory "
                        f"(default {EngineConfig.draft_prefix_cache_bytes}; 0: off)")
-    serve.add_argument("--kv-cache-bytes", type=int, metavar="BYTES",
-                       help="running requests' KV: a request whose KV would not fit waits "
-                       "(default: no bound)")
     serve.add_argument("--max-queued", type=int, help="requests allowed to wait beyond the "
                        "batch; more get 429 (default: no bound, they wait)")
     serve.add_argument("--keepalive", type=float, help="seconds between keep-alives while a "

@@ -122,12 +122,12 @@ def test_ask_reads_stdin_and_can_force_specprefill(demo_pair):
 
 
 def test_serve_takes_the_memory_budgets():
-    """serve's --prefix-cache-bytes, --draft-prefix-cache-bytes and --kv-cache-bytes reach
+    """serve's --prefix-cache-bytes, --draft-prefix-cache-bytes and --kv-cache-gb reach
     the engine (a server under many sessions needs budgets below their KV)."""
     from specprefill_engine.cli import make_engine, serve_settings
 
     args = parser().parse_args(["serve", "--prefix-cache-bytes", "1000000",
-                                "--draft-prefix-cache-bytes", "0", "--kv-cache-bytes", "2000000",
+                                "--draft-prefix-cache-bytes", "0", "--kv-cache-gb", "0.002",
                                 "--disk-cache-gb", "0.5"])
     config = make_engine(args, **serve_settings(args)).config
     assert (config.prefix_cache_bytes, config.draft_prefix_cache_bytes,

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from specprefill_engine.engine import EngineFailedError, RequestFailedError
+from specprefill_engine.engine import EngineFailedError, MemoryBudgetError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ def classify(error: BaseException, fields=()) -> APIError:
     (a ValueError that starts with one of them names that parameter)."""
     if isinstance(error, APIError):
         return error
+    if isinstance(error, MemoryBudgetError):  # the request alone exceeds the KV budget
+        return APIError(400, str(error), code="memory_budget_exceeded")
     if isinstance(error, (ValueError, TypeError)):  # the engine's checks name the parameter
         match = _LEADING_NAME.match(str(error))
         param = match.group(1) if match and match.group(1) in fields else None

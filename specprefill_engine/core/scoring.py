@@ -236,6 +236,7 @@ def importance_of(draft_model: nn.Module, sites, queries: list, cache, prompt_le
         scale = getattr(site.attention, "scale", query.shape[-1] ** -0.5)
         layer = _masked_layer_importance(query, keys, scale, pool_kernel, n_window, prompt_length)
         importance = layer if importance is None else mx.maximum(importance, layer)
+        mx.eval(importance)  # a layer's scores at a time: one graph would hold every layer's
     importance = importance.mean(axis=0)
     mx.eval(importance)
     return importance

@@ -14,10 +14,11 @@ rotated) is mlx-lm's business: a shadow `RotatingKVCache` of the same size is fe
 positions in place of keys, so mlx-lm's own update logic says which position each
 returned key has.
 
-A plain `KVCache` appends in feed order, and its causal mask is by that order: right as
-long as tokens come in position order. A repair (`engine/planner.py`) feeds tokens of a
-dropped passage after entries of later positions; for such a forward the plain layers
-get the mask by position too, each query seeing the entries at or before its position.
+A plain `KVCache` (or `QuantizedKVCache`) appends in feed order, and its causal mask is
+by that order: right as long as tokens come in position order. A repair
+(`engine/planner.py`) feeds tokens of a dropped passage after entries of later
+positions; for such a forward the plain layers get the mask by position too, each query
+seeing the entries at or before its position.
 """
 
 from contextlib import contextmanager
@@ -26,7 +27,9 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import RotatingKVCache
+
+from .quantized_kv import PLAIN_KV
 
 _EMPTY = -(2**30)  # the position of a slot that holds no entry: outside every window
 
@@ -94,10 +97,12 @@ class SlidingWindows:
 
     def __init__(self, cache: list, positions: Optional[np.ndarray] = None):
         """`positions`: those of the entries already in `cache`, in order (None: 0..n-1)."""
-        self.plain = [layer for layer in cache if type(layer) is KVCache]
+        self.cache = cache  # its plain layers are looked up per forward: quantizing
+        # the KV (`quantized_kv.py`) replaces them between chunks
+        plain = self.plain
         self.fed = None  # the plain layers' entries' positions, in cache order
-        if self.plain:
-            self.fed = np.arange(self.plain[0].offset) if positions is None \
+        if plain:
+            self.fed = np.arange(plain[0].offset) if positions is None \
                 else np.asarray(positions, dtype=np.int64).reshape(-1)
         self.groups = {}  # layers updated alike share one shadow: {state: (layers, shadow)}
         for layer in cache:
@@ -113,6 +118,11 @@ class SlidingWindows:
             if key not in self.groups:
                 self.groups[key] = ([], _shadow(layer, held))
             self.groups[key][0].append(layer)
+
+    @property
+    def plain(self) -> list:
+        """The cache's plain layers now (quantized or not)."""
+        return [layer for layer in self.cache if type(layer) in PLAIN_KV]
 
     @contextmanager
     def by_position(self, positions: np.ndarray) -> Iterator[None]:

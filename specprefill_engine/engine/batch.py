@@ -26,12 +26,13 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import (
-    BatchKVCache, BatchRotatingKVCache, CacheList, KVCache, TokenBuffer, make_prompt_cache,
+    BatchKVCache, BatchRotatingKVCache, CacheList, TokenBuffer, make_prompt_cache,
 )
 
 from ..core import positioned_rope
 from ..core.adapters import takes_position_ids
 from ..core.prefill import align_buffers, logits_of
+from ..core.quantized_kv import PLAIN_KV, QuantizedKV, cut_layer
 from .sampling import GREEDY, RowSampler, read_logprobs, sample_rows
 
 POSITIONED_CACHES = (BatchKVCache, BatchRotatingKVCache)
@@ -79,18 +80,10 @@ def batching_support(model: nn.Module) -> str:
 
 
 def cut_cache(cache: list, count: int) -> list:
-    """The first `count` entries of a row's plain KV caches, as views (no copy: a later
-    write into the live cache copies its buffer first, MLX arrays being values); the
-    layers that cannot be cut as they are (they hold what the row was fed)."""
-    cut = []
-    for layer in cache:
-        if type(layer) is KVCache:
-            part = KVCache()
-            part.keys, part.values = layer.keys[..., :count, :], layer.values[..., :count, :]
-            part.offset = count
-            layer = part
-        cut.append(layer)
-    return cut
+    """The first `count` entries of a row's plain KV caches (quantized or not), as views
+    (no copy: a later write into the live cache copies its buffer first, MLX arrays being
+    values); the layers that cannot be cut as they are (they hold what the row was fed)."""
+    return [cut_layer(layer, count) if type(layer) in PLAIN_KV else layer for layer in cache]
 
 
 def _saved(layer):
@@ -261,12 +254,15 @@ class DecodeBatch:
 
 
 class SoloDecode:
-    """One row of a model whose caches cannot be batched: a forward per step, its
-    positions set for that call (the prefill's per-call handling) and cleared after."""
+    """One row of a model whose caches cannot be batched (or of quantized KV, which
+    mlx-lm cannot batch): a forward per step, its positions set for that call (the
+    prefill's per-call handling) and cleared after."""
 
     def __init__(self, model: nn.Module, handle: int, sampler: Optional[RowSampler],
-                 cache: list, first_token: int, shift: int, group=None, sampling: bool = True):
+                 cache: list, first_token: int, shift: int, group=None, sampling: bool = True,
+                 kv: Optional[QuantizedKV] = None):
         self.model, self.cache, self.shift = model, cache, shift
+        self.kv = kv  # quantized KV: applied after each step, as mlx-lm's generate_step does
         self.sampler = sampler or GREEDY
         self.group, self.sampling = group, sampling
         self.rows = [handle]
@@ -282,6 +278,8 @@ class SoloDecode:
     def step(self) -> tuple[list, dict]:
         with positioned_rope(self.model, shift=self.shift):
             output = self.model(mx.array([[self.token]]), cache=self.cache)
+        if self.kv is not None:
+            self.kv.apply(self.cache)
         logits = logits_of(output)[:, -1, :]
         if not self.sampling:
             self.token = broadcast_tokens(mx.argmax(logits, axis=-1) * 0, self.group).item()

@@ -10,7 +10,8 @@ Files. One safetensors file per entry, in `<cache_dir>/prefix-cache/<model>/`, w
 <model> hashes the model's identity (its folder, config, weight files' names, sizes
 and times, tokenizer files, the dtype it runs in), so another model never reads them.
 A file holds the entry's tokens and positions, each plain layer's keys and values
-(8- or 4-bit with `bits`, else as computed) and each checkpoint's state of the other
+(8- or 4-bit with `bits`, else as computed; as held where `kv_bits` quantized them in
+memory) and each checkpoint's state of the other
 layers (as mlx-lm's `state` gives it), with CRC-32s of the header and of each tensor (a
 reader checks the tensors on several threads: one CRC pass over a 32K-token conversation
 of an 8B model would take longer than the read itself). It
@@ -50,6 +51,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..core.quantized_kv import is_quantized
 from .kv_store import Held, Snapshot, tree_nbytes
 from .prefix_cache import Entry, extends
 
@@ -192,6 +194,13 @@ def _tensors(entry: Entry, held: Held, bits: int) -> tuple[list, dict]:
     for i, layer in enumerate(held.kv):
         if layer is None:
             layers.append("state")
+            continue
+        if is_quantized(layer):  # quantized in memory (kv_bits): written as it is held
+            keys, values, group_size, kv_bits = layer
+            layers.append(f"q{kv_bits}g{group_size}")
+            for name, parts in zip("kv", (keys, values)):
+                tensors += [(f"kv.{i}.{name}", parts[0]), (f"kv.{i}.{name}.scales", parts[1]),
+                            (f"kv.{i}.{name}.biases", parts[2])]
             continue
         quantize = bits and layer[0].shape[-1] % QUANT_GROUP == 0 and \
             mx.issubdtype(layer[0].dtype, mx.floating)
@@ -662,6 +671,11 @@ class DiskTier:
                 kv.append(None)
             elif kind == "kv":
                 kv.append((arrays[f"kv.{i}.k"], arrays[f"kv.{i}.v"]))
+            elif kind.startswith("q"):  # quantized in memory: read back as it was held
+                kv_bits, group_size = (int(x) for x in kind[1:].split("g"))
+                kv.append((*(tuple(arrays[f"kv.{i}.{n}{part}"] for part in
+                                   ("", ".scales", ".biases")) for n in "kv"),
+                           group_size, kv_bits))
             else:
                 bits = int(kind[2:])
                 kv.append(tuple(dequantized((arrays[f"kv.{i}.{n}"], arrays[f"kv.{i}.{n}.scales"],

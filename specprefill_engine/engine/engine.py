@@ -23,6 +23,7 @@ import numpy as np
 from ..loading import DEMO_DRAFT, DEMO_TARGET, resolve_dtype, resolve_model_path
 from ..chat.render import Rendered, check_text, render_chat
 from .delivery import Mailbox
+from .memory import MemoryBudgetError, need_message, reservation
 from .output import OutputProcessor
 from .results import Chunk, Progress, Result
 from .distributed import distributed_group
@@ -218,13 +219,19 @@ class Engine:
 
     def stats(self) -> dict:
         """What the engine has done in the background: `densify` (a `DensifyStats`:
-        turns densified, tokens computed, seconds spent, turns pending) and, with a
+        turns densified, tokens computed, seconds spent, turns pending), `memory` (a
+        `memory.MemoryStats`: the KV budget and where it came from, what is held now:
+        each running request's reservation, target and draft, and each prefix cache,
+        cache entries dropped to make room)
+        and, with a
         prefix cache on disk (`prefix_cache_disk_bytes`), `disk` (a `DiskStats`: files
         written and read, their bytes and seconds, reads skipped as slower than
         prefilling, broken files ignored, why the tier is off)."""
         if self.rank:
             return {}
         stats = {"densify": replace(self._worker.densify_stats)}
+        if self._worker.memory_stats is not None:
+            stats["memory"] = self._worker.memory_stats
         if self._worker.disk_stats is not None:
             stats["disk"] = replace(self._worker.disk_stats)
         return stats
@@ -345,6 +352,16 @@ class Engine:
             response_format = resolve_response_format(
                 response_format, info.tokenizer, rendered.think if rendered else None, max_tokens)
             constraint = make_constraint(info.tokenizer, response_format)
+        num_draft_tokens = self.config.num_draft_tokens if num_draft_tokens is None \
+            else num_draft_tokens
+        if info.memory is not None:  # refused here, before it is queued: one that cannot fit
+            # even alone (the worker checks again at admission)
+            draft = self.draft_path is not None
+            need = reservation(info.rates, tokens.size, tokens.size, max_tokens,
+                               draft and specprefill is not False, draft and num_draft_tokens > 0)
+            if need.total > info.memory.budget:
+                raise MemoryBudgetError(need_message(
+                    need, info.memory, f"{tokens.size} prompt tokens + max_tokens {max_tokens}"))
         protected = None
         if specprefill is not False and self.draft_path is not None and rendered is not None:
             protected = rendered.protected
@@ -362,8 +379,7 @@ class Engine:
             max_tokens=max_tokens, output=output, specprefill=specprefill, stream=stream,
             progress=on_progress is not None, constraint=constraint,
             logits_processors=logits_processors, cache_prompt=cache_prompt,
-            num_draft_tokens=(self.config.num_draft_tokens if num_draft_tokens is None
-                              else num_draft_tokens),
+            num_draft_tokens=num_draft_tokens,
             protected=protected, warnings=warnings, boundaries=boundaries,
             keep_given=keep is not None or self._keep_given,
         )

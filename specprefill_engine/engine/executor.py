@@ -32,6 +32,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from ..core.prefill import align_buffers, cache_length, prefill_chunk
+from ..core.quantized_kv import QuantizedKV
 from ..core.scoring import DraftScorer, capture_window, importance_of, lookahead_step, scored_sites
 from ..core.sparse_prefill import decode_shift
 from ..core.windows import SlidingWindows
@@ -75,8 +76,11 @@ class _DraftWork:
 
 class Executor:
     def __init__(self, model, prefix: Optional[KVStore], group=None, sampling: bool = True,
-                 scorer: Optional[DraftScorer] = None, draft_prefix: Optional[KVStore] = None):
+                 scorer: Optional[DraftScorer] = None, draft_prefix: Optional[KVStore] = None,
+                 kv: Optional[QuantizedKV] = None):
         self.model = model
+        self.kv = kv  # how the target's KV is quantized (the draft's never is: its scoring
+        # reads its keys at the model's dtype); None: not
         self.prefix = prefix
         self.group = group  # a sharded target's process group
         self.sampling = sampling  # rank 0 samples; the other ranks follow its tokens
@@ -196,10 +200,11 @@ class Executor:
             if join.speculative and draft_cache is not None:
                 align_buffers(draft_cache)  # the draft decodes its proposals over it
                 group = SpeculativeDecode(self.model, self.scorer.model, handle, cache,
-                                          draft_cache, join.token, shift, join.speculative)
+                                          draft_cache, join.token, shift, join.speculative,
+                                          self.kv)
             elif join.solo:
                 group = SoloDecode(self.model, handle, sampler, cache, join.token, shift,
-                                   self.group, self.sampling)
+                                   self.group, self.sampling, self.kv)
             else:
                 self.batch.add(handle, sampler, cache, join.token, shift)
                 group = self.batch
@@ -274,6 +279,8 @@ class Executor:
                     cache, self.held.get(chunk.handle))
         logits = prefill_chunk(self.model, mx.array(chunk.tokens), cache, chunk.positions,
                                want_logits=chunk.last, windows=windows)
+        if self.kv is not None:  # as mlx-lm's generate_step: after each chunk
+            self.kv.apply(cache)
         if chunk.checkpoint and self.checkpointed:
             self.snapshots.setdefault(chunk.handle, {})[chunk.checkpoint] = snapshot(cache)
         outcome.seconds[chunk.handle] = (outcome.seconds.get(chunk.handle, 0.0)

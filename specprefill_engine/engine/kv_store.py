@@ -23,16 +23,18 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..core.prefill import cache_length
+from ..core.quantized_kv import PLAIN_KV, restored_layer, stored_entries
 
 MAX_CHECKPOINTS = 16  # per entry; the longest are kept, the ones a next turn can use
 
 
 def cuttable(layer) -> bool:
-    """A plain KV cache can be cut to any prefix; other layers need checkpoints."""
-    return type(layer) is KVCache
+    """A plain KV cache (quantized or not) can be cut to any prefix; other layers need
+    checkpoints."""
+    return type(layer) in PLAIN_KV
 
 
 def reusable(cache: list) -> bool:
@@ -91,7 +93,9 @@ def _states(checkpoints: dict) -> list:
 class Held:
     """One entry's tensors."""
 
-    kv: list  # per layer: (keys, values) of every stored entry, or None (checkpointed)
+    # per layer: (keys, values) of every stored entry (quantized: `stored_entries`), or
+    # None (checkpointed)
+    kv: list
     checkpoints: dict  # prefix length -> Snapshot, ascending
 
     @property
@@ -167,8 +171,7 @@ class KVStore:
         for key in store.absorbs:
             if key in self.held:
                 checkpoints = {**self.held[key].checkpoints, **checkpoints}
-        kv = [(c.keys[..., :count, :], c.values[..., :count, :]) if cuttable(c) else None
-              for c in cache]
+        kv = [stored_entries(c, count) if cuttable(c) else None for c in cache]
         held = Held(kv, self._bounded(checkpoints))
         if held.nbytes > self.max_bytes:
             return None
@@ -211,9 +214,7 @@ class KVStore:
                 kind, state = held.checkpoints[cut].layers[i]
                 cache[i] = kind.from_state(_hold(state))
             elif count:
-                keys, values = layer
-                cache[i].keys, cache[i].values = keys[..., :count, :], values[..., :count, :]
-                cache[i].offset = count
+                cache[i] = restored_layer(layer, count)
         return cache
 
     def drop(self, key: int) -> None:

@@ -272,10 +272,12 @@ class PrefixCache:
             self.entries.move_to_end(key)
             self.entries[key].from_disk = False
 
-    def evictions(self, pinned=()) -> list[int]:
-        """The least recently used entries to drop to be within the budget again,
-        never one in `pinned`."""
-        excess, keys = self.total_bytes - self.max_bytes, []
+    def evictions(self, pinned=(), limit: Optional[int] = None) -> list[int]:
+        """The least recently used entries to drop to be within the budget again (and
+        within `limit` bytes: what the engine's memory budget leaves the cache), never
+        one in `pinned`."""
+        bound = self.max_bytes if limit is None else min(self.max_bytes, limit)
+        excess, keys = self.total_bytes - bound, []
         for key, entry in self.entries.items():
             if excess <= 0:
                 break
@@ -283,6 +285,10 @@ class PrefixCache:
                 keys.append(key)
                 excess -= entry.nbytes
         return keys
+
+    def pinned_bytes(self, pinned) -> int:
+        """Bytes of the entries in `pinned`: what the cache cannot give back now."""
+        return sum(self.entries[key].nbytes for key in pinned if key in self.entries)
 
     def drop(self, key: int) -> None:
         entry = self.entries.pop(key, None)  # already absorbed or dropped: nothing to do

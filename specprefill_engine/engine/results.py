@@ -59,6 +59,12 @@ class SpecPrefillReport:
     speculative: str = ""
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    # KV memory the request held at its end (bytes): the target's entries (the kept ones
+    # for a SpecPrefill request, quantized with kv_bits), the same prompt and reply's
+    # target KV held densely, and the draft's while it scored (and proposed the reply)
+    kv_bytes: int = 0
+    dense_kv_bytes: int = 0
+    draft_kv_bytes: int = 0
 
 
 @dataclass

@@ -15,6 +15,9 @@ from .._blas import blas_status
 from ..core import DraftScorer, Scorer
 from ..core.matching import MATCH_WEIGHT
 from ..core.prefill import STEP_SIZE
+from ..core.quantized_kv import (
+    KV_GROUP_SIZE, QUANTIZED_KV_START, QuantizedKV, check_kv_bits, quantized_kv_support,
+)
 from ..core.scoring import N_LOOKAHEAD, N_WINDOW, POOL_KERNEL, default_draft_step_size
 from ..core.selection import BACKBONE, CHUNK_SIZE, KEEP, SPREAD, TAIL_TOKENS
 from ..loading import DEMO_DRAFT, DEMO_TARGET, ModelLoadError, check_same_tokenizer, load_model
@@ -25,6 +28,7 @@ from .disk_cache import model_identity
 from .distributed import Channel, agree
 from .plan import TurnPlan
 from .kv_store import checkpointed
+from .memory import KVRates, MemoryBudget, device_memory, memory_budget, weights_bytes
 from .policy import CostModel, cost_model
 from .speculative import speculative_support
 from .vouch import DraftCheck, DraftVerdict
@@ -68,7 +72,8 @@ class EngineConfig:
     """Engine-wide settings; `keep`, `threshold` and `specprefill` can be overridden
     per request. `step_size` (target prefill unit) and `draft_step_size` (the draft's
     scoring chunk) None pick the device's defaults on the worker; `kv_cache_bytes`
-    None puts no byte limit on admitted requests' KV."""
+    is the memory for running requests' KV and the prefix caches (None: what the device
+    can hold, less the weights: `memory.py`)."""
 
     keep: float = KEEP
     threshold: int = 1024
@@ -105,9 +110,16 @@ class EngineConfig:
     # speculative decoding: tokens the draft proposes a round for a greedy request that
     # decodes alone (`speculative.py`); 0: off. Requests can set their own
     num_draft_tokens: int = 0
+    # quantized KV, mlx-lm's settings: the target's KV (running requests' and its prefix
+    # cache's) in `kv_bits` (4 or 8; None: the model's dtype), groups of `kv_group_size`
+    # along the head dimension, once a cache holds `quantized_kv_start` entries
+    kv_bits: Optional[int] = None
+    kv_group_size: int = KV_GROUP_SIZE
+    quantized_kv_start: int = QUANTIZED_KV_START
 
     def __post_init__(self):
         check_keep(self.keep)
+        check_kv_bits(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
         if isinstance(self.match_weight, bool) or not isinstance(self.match_weight, (int, float)) \
                 or not math.isfinite(self.match_weight) or self.match_weight < 0:
             raise ValueError(f"match_weight must be a number >= 0 (0: off), got "
@@ -169,6 +181,9 @@ class Runtime:
     speculative_reason: str = ""  # why the pair cannot decode speculatively; "": it can
     words: Optional[TokenWords] = None  # the tokens' words, where the selection matches them
     decisions: Decisions = field(default_factory=Decisions)  # the same request, the same plan
+    kv: Optional[QuantizedKV] = None  # how the target's KV is quantized; None: not
+    memory: Optional[MemoryBudget] = None  # what running requests' KV and the caches may hold
+    rates: Optional[KVRates] = None  # KV bytes per entry, of each model
 
 
 @dataclass(frozen=True)
@@ -183,6 +198,8 @@ class EngineInfo:
     vocab_size: int
     ranks: int = 1  # processes the target is sharded over
     draft: Optional[DraftVerdict] = None  # the draft check's verdict now; None: no draft
+    memory: Optional[MemoryBudget] = None  # the KV budget (rank 0)
+    rates: Optional[KVRates] = None  # KV bytes per entry of each model (rank 0)
 
 
 def context_length_of(model: nn.Module) -> Optional[int]:
@@ -215,18 +232,44 @@ def kv_bytes_per_token(model: nn.Module) -> int:
     return total
 
 
+def quantized_kv_of(config: EngineConfig, model: nn.Module, group) -> Optional[QuantizedKV]:
+    """The engine's `QuantizedKV`, or None; a target that cannot take it is refused by
+    name (ValueError)."""
+    if config.kv_bits is None:
+        return None
+    kv = QuantizedKV(config.kv_bits, config.kv_group_size, config.quantized_kv_start)
+    if group is not None:
+        raise ValueError(f"kv_bits={kv.bits}: quantized KV is not supported on a sharded "
+                         "target (mlx.launch): only rank 0 is given the setting")
+    refused = quantized_kv_support(model, kv)
+    if refused:
+        raise ValueError(f"kv_bits={kv.bits}, kv_group_size={kv.group_size}: this target's "
+                         f"KV cannot be quantized ({refused})")
+    return kv
+
+
+def itemsize_of(model: nn.Module) -> int:
+    """Bytes of one element of the model's KV: its floating weights' dtype."""
+    return next((v.dtype.size for _, v in tree_flatten(model.parameters())
+                 if mx.issubdtype(v.dtype, mx.floating)), 4)
+
+
 def dtype_of(model: nn.Module) -> str:
     """The dtype the model's floating weights run in."""
     return next((str(v.dtype) for _, v in tree_flatten(model.parameters())
                  if mx.issubdtype(v.dtype, mx.floating)), "")
 
 
-def identity_of(path: Optional[str], model: Optional[nn.Module]) -> str:
+def identity_of(path: Optional[str], model: Optional[nn.Module],
+                kv: Optional[QuantizedKV] = None) -> str:
     """The model's `model_identity` for its disk tier, "" when there is none to give
-    (no model, or a hub id whose files are not found locally)."""
+    (no model, or a hub id whose files are not found locally). Quantized KV is part of
+    it: an engine never reads another setting's files."""
     if path is None or model is None:
         return ""
     dtype = dtype_of(model)
+    if kv is not None:
+        dtype = f"{dtype}:kv{kv.bits}g{kv.group_size}s{kv.start}"
     try:
         return model_identity(path, dtype)
     except (OSError, ValueError, ImportError) as error:
@@ -300,6 +343,7 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
     if mx.default_device() == mx.cpu and blas_status().startswith("mlx.core was imported first"):
         logger.warning("MLX runs on its reference BLAS (far slower on a CPU): import "
                        "specprefill_engine before mlx or mlx_lm to load an optimized one")
+    device = device_memory() if config.kv_cache_bytes is None else (0, "")  # before the weights
     if config.step_size is None:
         config = replace(config, step_size=default_step_size())
     if config.draft_step_size is None:
@@ -308,6 +352,10 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
     channel = Channel(group) if group is not None else None
     scorer = draft = None
     try:
+        kv = quantized_kv_of(config, model, group)
+        if kv is not None and not batch_reason:  # as mlx_lm.server: no batch with kv_bits
+            batch_reason = (f"kv_bits={kv.bits}: mlx-lm has no batched quantized KV cache, "
+                            "so each request decodes in its own forward")
         if draft_path is not None:
             draft, draft_tokenizer = load_model(draft_path, dtype=dtype)
             check_same_tokenizer(tokenizer, draft_tokenizer)
@@ -332,13 +380,16 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
         vouch = draft_check(model_path, draft_path, model, draft, config, group is not None)
         if config.draft_check == "load" and vouch.pending:
             vouch.run(model, draft, tokenizer)
+    rates = KVRates(kv_bytes, kv_bytes_per_token(draft) if draft is not None else 0,
+                    itemsize_of(model), kv)
+    memory = memory_budget(config.kv_cache_bytes, device, weights_bytes(model, draft))
     identities = ("", "")
     if config.prefix_cache_disk_bytes and group is None:  # a shard's KV is its rank's alone
-        identities = (identity_of(model_path, model), identity_of(draft_path, draft))
+        identities = (identity_of(model_path, model, kv), identity_of(draft_path, draft))
     return Runtime(model, tokenizer, scorer, config, context_length_of(model), batch_reason,
                    kv_bytes, vocab_size_of(model, tokenizer), costs,
                    checkpointed=checkpointed(model), group=group,
                    channel=channel, identities=identities, vouch=vouch,
                    speculative_reason=refused,
                    words=TokenWords(tokenizer) if draft is not None and config.match_weight
-                   else None)
+                   else None, kv=kv, memory=memory, rates=rates)

@@ -26,6 +26,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 from ..core import positioned_rope
 from ..core.adapters import takes_position_ids
 from ..core.prefill import logits_of
+from ..core.quantized_kv import QuantizedKV
 from .batch import cut_cache
 
 
@@ -51,8 +52,10 @@ class SpeculativeDecode:
     and not yet in the target's cache."""
 
     def __init__(self, model: nn.Module, draft: nn.Module, handle: int, cache: list,
-                 draft_cache: list, first_token: int, shift: int, count: int):
+                 draft_cache: list, first_token: int, shift: int, count: int,
+                 kv: Optional[QuantizedKV] = None):
         self.model, self.draft = model, draft
+        self.kv = kv  # the target's quantized KV: applied after each round (mlx-lm's way)
         self.cache, self.draft_cache = cache, draft_cache
         self.shift, self.count = shift, count
         self.rows = [handle]
@@ -98,6 +101,8 @@ class SpeculativeDecode:
         # but the last
         trim_prompt_cache(self.cache, self.count - taken)
         trim_prompt_cache(self.draft_cache, max(self.count - 1 - taken, 0))
+        if self.kv is not None:
+            self.kv.apply(self.cache)
         self.token = targets[taken]
         self.pending = [drafts[-1], self.token] if taken == self.count else [self.token]
         handle = self.rows[0]

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .memory import Reservation
 from .output import OutputProcessor
 from .plan import Feed
 from .results import SpecPrefillReport, Timings, Usage
@@ -84,7 +85,7 @@ class RequestState:
     timings: Timings = field(default_factory=Timings)
     report: SpecPrefillReport = field(default_factory=SpecPrefillReport)
     generated: list = field(default_factory=list)  # tokens sampled and read back so far
-    reserved_bytes: int = 0
+    reserved: Reservation = field(default_factory=Reservation)  # KV bytes it may come to hold
     started: Optional[float] = None
     scoring: Optional[Scoring] = None  # the draft's scoring (rank 0 only)
     prefill: Optional[Feed] = None  # what the target computes

@@ -52,9 +52,11 @@ from .disk_cache import FOLDER as DISK_FOLDER, DiskCache, DiskStats
 from .distributed import Watchdog
 from .executor import Executor, TurnOutcome
 from .kv_store import KVStore
+from .memory import MemoryBudgetError, MemoryStats, Reservation, need_message, reservation
 from .plan import Join, Store, TurnPlan
 from .planner import (
-    PrefixCaches, after_draft_feed, begin, caches_for, fall_back_to_dense, plan_sparse, promote, scoring_units, short_prefill_share, speculation,
+    PrefixCaches, after_draft_feed, begin, caches_for, fall_back_to_dense, plan_sparse, promote,
+    scoring_units, short_prefill_share, speculation,
 )
 from .prefix_cache import PrefixCache, prefix_cache_for
 from .results import Progress
@@ -141,7 +143,9 @@ class Worker:
         self.densify_stats = densify.DensifyStats()
         self.disk_stats: Optional[DiskStats] = None  # the disk tier's, when it has one
         self.draft_check = None  # the runtime's `DraftCheck` (it holds no model), once loaded
-        self._reserved = 0
+        self._reserved = 0  # bytes every admitted request's `Reservation` adds up to
+        self.memory_stats: Optional[MemoryStats] = None  # a new one each turn (`stats()`)
+        self._evicted = 0  # prefix-cache entries dropped to make room for requests
         self.runtime: Optional[Runtime] = None
         self.executor: Optional[Executor] = None
         self.prefix_caches: Optional[PrefixCaches] = None
@@ -201,13 +205,15 @@ class Worker:
         caches, (store, draft_store) = make_prefix_caches(runtime, disk)
         self.prefix_caches = caches  # for inspection only, as `runtime`
         self.executor = Executor(runtime.model, store, runtime.group,
-                                 scorer=runtime.scorer, draft_prefix=draft_store)
+                                 scorer=runtime.scorer, draft_prefix=draft_store, kv=runtime.kv)
+        self._count_memory(runtime, caches)
         if runtime.group is not None:
             self._watchdog = Watchdog(runtime.config.rank_timeout, self._rank_lost)
         ranks = runtime.group.size() if runtime.group is not None else 1
         self.ready.set_result(EngineInfo(runtime.tokenizer, runtime.context_length,
                                          not runtime.batch_reason, runtime.batch_reason,
-                                         runtime.config.step_size, runtime.vocab_size, ranks))
+                                         runtime.config.step_size, runtime.vocab_size, ranks,
+                                         memory=runtime.memory, rates=runtime.rates))
         try:
             while self._turn(runtime, caches):
                 pass
@@ -258,11 +264,7 @@ class Worker:
             self._plan_densify(plan, live, runtime, caches.target)
             for restore in plan.restores:
                 caches.target.touch(restore.key)
-            pinned = {r.key for r in plan.restores} | self._pinned(live)
-            plan.drops += caches.target.evictions(pinned)
-        if caches.draft is not None:
-            plan.draft_drops = caches.draft.evictions(
-                {u.restore.key for u in plan.scoring if u.restore is not None})
+        self._plan_evictions(plan, live, runtime, caches)
         self._spill(plan, caches)
         if plan:
             if runtime.channel is not None and plan.targets():
@@ -275,7 +277,81 @@ class Worker:
             self._commit(plan, outcome, caches)
             self._absorb(plan, outcome, runtime, caches)
             self._densified(plan, outcome)
+        self._count_memory(runtime, caches)
         return True
+
+    # memory ----------------------------------------------------------------------
+
+    def _plan_evictions(self, plan: TurnPlan, live: list, runtime: Runtime,
+                        caches: PrefixCaches) -> None:
+        """Each prefix cache within its own budget and, together, within what the
+        running requests' reservations leave of the memory budget: the target's least
+        recently used entries go first, then the draft's."""
+        room = runtime.memory.budget - self._reserved
+        target, draft = caches.target, caches.draft
+        draft_bytes = draft.total_bytes if draft is not None else 0
+        if target is not None:
+            pinned = {r.key for r in plan.restores} | self._pinned(live)
+            own = target.evictions(pinned)
+            drops = target.evictions(pinned, room - draft_bytes)
+            self._evicted += len(drops) - len(own)
+            plan.drops += drops
+            room -= target.total_bytes - sum(target.entries[k].nbytes for k in drops)
+        if draft is not None:
+            pinned = {u.restore.key for u in plan.scoring if u.restore is not None}
+            own = draft.evictions(pinned)
+            plan.draft_drops = draft.evictions(pinned, room)
+            self._evicted += len(plan.draft_drops) - len(own)
+
+    def _reservation(self, state: RequestState, runtime: Runtime,
+                     scored: Optional[bool] = None) -> Reservation:
+        """What `state` may come to hold: its target KV for the prompt (its kept entries
+        once selected) and max_tokens, and the draft's of the prompt while it may be
+        scored (`scored` None: not known yet) or proposes the reply."""
+        prompt = int(state.tokens.size)
+        entries = prompt if state.positions is None else int(state.positions.size)
+        proposes = state.speculative
+        if scored is None:  # before admission: whatever the draft may do
+            scored = runtime.scorer is not None and state.specprefill is not False
+            proposes = runtime.scorer is not None and state.num_draft_tokens > 0
+        return reservation(runtime.rates, prompt, entries, state.max_tokens, scored, proposes)
+
+    def _reserve(self, state: RequestState, reservation: Reservation) -> None:
+        self._reserved += reservation.total - state.reserved.total
+        state.reserved = reservation
+
+    def _fits(self, need: Reservation, live: list, runtime: Runtime,
+              caches: PrefixCaches, plan: TurnPlan) -> bool:
+        """Whether `need` fits beside the running requests once the prefix caches give
+        back every entry no planned restore names."""
+        pinned = {r.key for r in plan.restores} | self._pinned(live)
+        kept = caches.target.pinned_bytes(pinned) if caches.target is not None else 0
+        return self._reserved + kept + need.total <= runtime.memory.budget
+
+    def _count_memory(self, runtime: Runtime, caches: PrefixCaches) -> None:
+        """`stats()["memory"]`, a new object each turn (read from other threads)."""
+        budget = runtime.memory
+        target = caches.target.total_bytes if caches.target is not None else 0
+        draft = caches.draft.total_bytes if caches.draft is not None else 0
+        requests = {s.id: {"target": s.reserved.target, "draft": s.reserved.draft}
+                    for s in self._live() if s.reserved.total}
+        self.memory_stats = MemoryStats(budget.budget, budget.source, budget.device_bytes,
+                                        budget.weights_bytes, self._reserved + target + draft,
+                                        requests, target, draft, self._evicted)
+
+    def _report_memory(self, state: RequestState, runtime: Runtime) -> None:
+        """The KV the request holds at its end, in its report (`kv_bytes`)."""
+        if state.prefill is None:
+            return
+        rates, report = runtime.rates, state.report
+        replied = self._fed(state)
+        entries = int(state.tokens.size if state.positions is None else state.positions.size)
+        report.kv_bytes = rates.target_bytes(entries + replied)
+        report.dense_kv_bytes = rates.target_bytes(int(state.tokens.size) + replied)
+        scored = state.scoring_busy > 0 or state.usage.draft_cached_tokens > 0
+        if scored or state.speculative or report.drafted_tokens:
+            report.draft_kv_bytes = rates.draft_bytes(
+                int(state.tokens.size) + (replied if report.drafted_tokens else 0))
 
     @staticmethod
     def _pinned(live: list) -> set:
@@ -534,20 +610,23 @@ class Worker:
         """Start the oldest waiting request's prefill, if the batch and KV budget allow,
         after reading back what the disk tier holds for it (a turn of its own)."""
         running = sum(s.status in (Status.JOINING, Status.DECODING) for s in live)
-        need = (state.tokens.size + state.max_tokens) * runtime.kv_bytes_per_token
-        budget = runtime.config.kv_cache_bytes
         if running >= runtime.config.max_batch_size:
             return False
-        if budget is not None and running and self._reserved + need > budget:
-            return False  # it waits; a request alone is always admitted
+        need = self._reservation(state, runtime)
+        if need.total > runtime.memory.budget:  # `Engine._prepare` refuses it first
+            self._end(state, error=MemoryBudgetError(need_message(
+                need, runtime.memory, f"{state.tokens.size} prompt tokens + max_tokens "
+                f"{state.max_tokens}")))
+            return True
+        if not self._fits(need, live, runtime, caches, plan):
+            return False  # it waits for running requests to end; the caches give back
         if not state.promoted:
             state.promoted = True
             loads = promote(state, runtime, caches)
             if loads:
                 plan.loads += loads
                 return False  # admitted next turn, where its lookup finds what is read
-        state.reserved_bytes = need
-        self._reserved += need
+        self._reserve(state, need)
         try:
             sampler = state.start()
             others = any(s is not state and s.status is not Status.WAITING and not s.finished
@@ -555,6 +634,8 @@ class Worker:
             state.speculative, state.report.speculative = speculation(state, runtime, sampler,
                                                                       others)
             begin(state, runtime, caches)
+            self._reserve(state, self._reservation(state, runtime,
+                                                   state.status is Status.SCORING))
         except Exception as error:
             self._end(state, error=error)
             return True
@@ -664,15 +745,18 @@ class Worker:
         state.scoring = None
         if result is None:
             after_draft_feed(state, runtime, caches)
-            return
-        try:
-            if isinstance(result, Exception):
-                raise result
-            cached = state.usage.draft_cached_tokens
-            runtime.costs.observe("draft", int(state.tokens.size) - cached, cached, scoring.busy)
-            plan_sparse(state, runtime, caches, result)
-        except Exception as error:  # SpecPrefill's own step: the request goes on densely
-            fall_back_to_dense(state, runtime, caches, error)
+        else:
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                cached = state.usage.draft_cached_tokens
+                runtime.costs.observe("draft", int(state.tokens.size) - cached, cached,
+                                      scoring.busy)
+                plan_sparse(state, runtime, caches, result)
+            except Exception as error:  # SpecPrefill's own step: the request goes on densely
+                fall_back_to_dense(state, runtime, caches, error)
+        # the draft's KV goes (unless it proposes the reply); a sparse view holds less
+        self._reserve(state, self._reservation(state, runtime, scored=False))
 
     # endings -------------------------------------------------------------------
 
@@ -687,8 +771,9 @@ class Worker:
         state.stored_reply = self._fed(state) if store else None
         admitted = state.status is not Status.WAITING
         state.scoring = None
-        self._reserved -= state.reserved_bytes
-        state.reserved_bytes = 0
+        self._reserve(state, Reservation())
+        if self.runtime is not None:
+            self._report_memory(state, self.runtime)
         self._deliver(state, reason, error)
         if not admitted:
             self._forget(state)
@@ -703,7 +788,7 @@ class Worker:
                                 state.called, state.warnings)
             return
         logger.warning("request %s failed: %r", state.id, error)
-        if not isinstance(error, (EngineFailedError, RequestFailedError)):
+        if not isinstance(error, (EngineFailedError, RequestFailedError, MemoryBudgetError)):
             failure = RequestFailedError(f"request {state.id!r} failed: {error!r}")
             failure.__cause__ = error
             error = failure
