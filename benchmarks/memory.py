@@ -26,7 +26,7 @@ import specprefill_engine  # noqa: F401  (optimized BLAS before MLX)
 import mlx.core as mx
 
 from common import random_model_dir  # noqa: E402
-from specprefill_engine import Engine  # noqa: E402
+from specprefill_engine import Engine, code_tasks, prose_tasks  # noqa: E402
 from specprefill_engine.benchmarking import KINDS, answer_text, quality_cases  # noqa: E402
 from specprefill_engine.core.quantized_kv import (  # noqa: E402
     KV_GROUP_SIZE, QUANTIZED_KV_START, QuantizedKV, kv_bytes,
@@ -103,19 +103,44 @@ def speed_rows(rows: list) -> list:
     return out
 
 
+def model_cases(tokenizer, lengths, count: int) -> list:
+    """A real model's cases: passkeys in prose and "which number does `f` add" in Python,
+    each with its own check of the reply."""
+    cases = []
+    for length in lengths:
+        for seed in range(count):
+            for kind, case in (("passkey", prose_tasks.make_case(tokenizer, "passkey", length, seed)),
+                               ("code_return", code_tasks.make_case(tokenizer, "code_return",
+                                                                    length, seed, seed))):
+                module = prose_tasks if kind == "passkey" else code_tasks
+                cases.append({"kind": kind, "length": length, "seed": seed, "ids": case.ids,
+                              "max_tokens": case.max_tokens,
+                              "right": lambda text, c=case, m=module: m.is_right(c, text)})
+    return cases
+
+
 def quality(args) -> dict:
-    """Greedy answers of the demo pair, dense prefill, with each kv_bits against the
-    model's dtype: which of dense's right answers are kept."""
+    """Greedy answers, dense prefill, with each kv_bits against the model's dtype: which
+    of dense's right answers are kept. The demo pair's cases, or `--quality-model`'s."""
     rows, answers = [], {}
+    model = {} if args.quality_model is None else {"model": args.quality_model, "draft": None}
     for kv in [None, *args.kv_bits]:
         with Engine(kv_bits=kv, kv_group_size=args.kv_group_size,
-                    quantized_kv_start=args.quality_kv_start, densify="off") as engine:
+                    quantized_kv_start=args.quality_kv_start, densify="off", **model) as engine:
             tokenizer = engine.tokenizer
-            cases = quality_cases(tokenizer, KINDS, args.quality_lengths, args.quality_cases)
+            if args.quality_model is None:
+                cases = quality_cases(tokenizer, KINDS, args.quality_lengths, args.quality_cases)
+                for case in cases:
+                    case["max_tokens"] = len(case["answer"]) + 1
+                    case["right"] = lambda text, a=case["answer"]: text == a
+            else:
+                cases = model_cases(tokenizer, args.quality_lengths, args.quality_cases)
             for i, case in enumerate(cases):
-                result = engine.generate_sync(case["ids"], max_tokens=len(case["answer"]) + 1,
+                result = engine.generate_sync(case["ids"], max_tokens=case["max_tokens"],
                                               specprefill=False, cache_prompt=False)
-                answers[i, kv] = answer_text(tokenizer, result.token_ids) == case["answer"]
+                text = answer_text(tokenizer, result.token_ids) if args.quality_model is None \
+                    else result.text
+                answers[i, kv] = case["right"](text)
     for i, case in enumerate(cases):
         rows.append({"kind": case["kind"], "length": case["length"], "seed": case["seed"],
                      **{f"kv_bits={kv}": answers[i, kv] for kv in [None, *args.kv_bits]}})
@@ -169,6 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quality-lengths", type=int, nargs="*", default=[1024, 2048],
                         help="the demo pair's quality cases (none: skipped)")
     parser.add_argument("--quality-cases", type=int, default=3, help="per (length, kind)")
+    parser.add_argument("--quality-model", help="a real model's folder for the quality cases "
+                        "(prose passkeys and Python lookups; default: the demo pair's cases)")
     parser.add_argument("--quality-kv-start", type=int, default=0,
                         help="quantized_kv_start for the quality cases (0: their whole KV "
                         "quantized; at the default 5000 prompts this short never are)")
@@ -194,7 +221,7 @@ def main(argv=None) -> int:
                   "model's dtype")
     if args.quality_lengths:
         out["quality"] = quality(args)
-        print("quality (demo pair, dense prefill):", out["quality"]["summary"])
+        print("quality (dense prefill):", out["quality"]["summary"])
     out["sessions_computed"] = sessions(args)
     for row in out["sessions_computed"]:
         if row["weights"] == "4-bit":
