@@ -1,7 +1,7 @@
 """Runs a turn's plan: the same code on one process and on every rank.
 
-The executor owns the tensors, by request handle: each prefilling request's target
-cache and the checkpoints taken on the way (models whose caches cannot be cut:
+The executor owns the tensors, one record per request handle (`_Row`, released in one
+place): each prefilling request's target cache and the checkpoints taken on the way (models whose caches cannot be cut:
 `kv_store.py`), the decode batch (and the solo decodes of a model that cannot
 batch, and a row whose reply the draft proposes: `speculative.py`), the prefix cache's
 tensors by the keys the plan names (`kv_store.KVStore`; the index is the planner's),
@@ -64,6 +64,21 @@ class TurnOutcome:
     drafted: dict = field(default_factory=dict)  # handle -> (tokens proposed, taken): a round
 
 
+@dataclass(eq=False)
+class _Row:
+    """One request's work on this rank, from its first plan (or its registration) to its
+    release: everything the executor holds for it, dropped together."""
+
+    sampler: Optional[RowSampler] = None  # how its tokens are sampled (rank 0)
+    cache: Optional[list] = None  # the target's cache while prefilling
+    snapshots: dict = field(default_factory=dict)  # prefix length -> Snapshot
+    held: Optional[np.ndarray] = None  # positions of a restored sparse prefix's entries
+    windows: Optional[SlidingWindows] = None  # its sparse prefill's sliding windows
+    group: object = None  # once decoding: its DecodeBatch, SoloDecode or SpeculativeDecode
+    scoring: Optional["_DraftWork"] = None  # the draft's scoring (rank 0)
+    draft: Optional[list] = None  # the draft's cache of its prompt, for its reply
+
+
 @dataclass
 class _DraftWork:
     """A request's draft cache while it scores, and what the scoring captured."""
@@ -86,20 +101,17 @@ class Executor:
         self.sampling = sampling  # rank 0 samples; the other ranks follow its tokens
         self.scorer = scorer  # rank 0: the draft and its scoring settings
         self.draft_prefix = draft_prefix
-        self.samplers: dict = {}  # handle -> RowSampler (rank 0)
-        self.caches: dict = {}  # handle -> target cache while prefilling
         self.checkpointed = checkpointed(model)  # snapshots at message boundaries
-        self.snapshots: dict = {}  # handle -> {prefix length: Snapshot}
-        self.held: dict = {}  # handle -> positions of a restored sparse prefix's entries
-        self.windows: dict = {}  # handle -> SlidingWindows of its sparse prefill
-        self.groups: dict = {}  # handle -> its DecodeBatch, SoloDecode or SpeculativeDecode
-        self.scoring: dict = {}  # handle -> _DraftWork (rank 0)
-        self.drafts: dict = {}  # handle -> the draft's cache of its prompt, for its reply
+        self.rows: dict = {}  # handle -> _Row
         self.batch = DecodeBatch(model, group, sampling)
 
     def register(self, handle: int, sampler: RowSampler) -> None:
         """How `handle`'s tokens are sampled (rank 0), before its first plan."""
-        self.samplers[handle] = sampler
+        self._row(handle).sampler = sampler
+
+    def _row(self, handle: int) -> _Row:
+        """`handle`'s record, made on its first use."""
+        return self.rows.setdefault(handle, _Row())
 
     def run(self, plan: TurnPlan) -> TurnOutcome:
         outcome = TurnOutcome()
@@ -157,12 +169,12 @@ class Executor:
         handle = store.handle
         count = store.tokens.size if store.positions is None else store.positions.size
         try:
-            if handle in self.caches:
-                cache = self.caches[handle]
-                cache = cache if self.checkpointed else cut_cache(cache, count)
+            row = self.rows[handle]
+            if row.cache is not None:
+                cache = row.cache if self.checkpointed else cut_cache(row.cache, count)
             else:
-                cache = self.groups[handle].extract(handle, count)
-            checkpoints = {length: snap for length, snap in self.snapshots.get(handle, {}).items()
+                cache = row.group.extract(handle, count)
+            checkpoints = {length: snap for length, snap in row.snapshots.items()
                            if length <= store.tokens.size}
             held = self.prefix.put(store, cache, checkpoints)
             if held is not None:
@@ -182,21 +194,20 @@ class Executor:
             self.prefix.drop(key)
 
     def _release(self, handle: int) -> None:
-        for table in (self.caches, self.snapshots, self.held, self.windows, self.scoring,
-                      self.samplers, self.drafts):
-            table.pop(handle, None)
-        group = self.groups.pop(handle, None)
-        if group is not None:
-            group.remove({handle})
+        """The one place a request's work goes: its record, and its row of a decode."""
+        row = self.rows.pop(handle, None)
+        if row is not None and row.group is not None:
+            row.group.remove({handle})
 
     def _join(self, join, outcome: TurnOutcome) -> bool:
         handle = join.handle
+        row = self.rows[handle]
         try:
-            cache = self.caches[handle]
+            cache = row.cache
             align_buffers(cache)
             shift = decode_shift(self.model, cache, join.length, 0)
-            sampler = self.samplers.get(handle)
-            draft_cache = self.drafts.pop(handle, None)
+            sampler = row.sampler
+            draft_cache, row.draft = row.draft, None
             if join.speculative and draft_cache is not None:
                 align_buffers(draft_cache)  # the draft decodes its proposals over it
                 group = SpeculativeDecode(self.model, self.scorer.model, handle, cache,
@@ -212,22 +223,21 @@ class Executor:
             outcome.failed[handle] = error
             self._release(handle)
             return False
-        del self.caches[handle]
-        self.groups[handle] = group
+        row.cache, row.group = None, group
         return True
 
     def _demote(self, handle: int, outcome: TurnOutcome) -> None:
         """A speculative row into the shared batch (another request joins), its target
         cache as it stands and its last token, handed out, as the next input."""
-        group = self.groups[handle]
+        row = self.rows[handle]
+        group = row.group
         try:
-            self.batch.add(handle, self.samplers.get(handle), group.cache, group.token,
-                           group.shift)
+            self.batch.add(handle, row.sampler, group.cache, group.token, group.shift)
         except Exception as error:
             outcome.failed[handle] = error
             self._release(handle)
             return
-        self.groups[handle] = self.batch
+        row.group = self.batch
 
     def _agree(self, plan: TurnPlan, stored: list, joined: list, outcome: TurnOutcome) -> bool:
         """Every rank learns which stores and joins failed on any rank, and undoes
@@ -246,7 +256,7 @@ class Executor:
 
     def _decode(self, outcome: TurnOutcome) -> None:
         groups = [self.batch] if len(self.batch) else []
-        groups += [g for g in dict.fromkeys(self.groups.values())
+        groups += [g for g in dict.fromkeys(row.group for row in self.rows.values())
                    if isinstance(g, (SoloDecode, SpeculativeDecode))]
         for group in groups:
             try:
@@ -264,25 +274,24 @@ class Executor:
                 outcome.drafted[group.rows[0]] = group.round
 
     def _restore(self, restore: Restore) -> None:
-        self.caches[restore.handle] = _restored(self.prefix, self.model, restore)
-        if restore.positions is not None:
-            self.held[restore.handle] = restore.positions
+        row = self._row(restore.handle)
+        row.cache = _restored(self.prefix, self.model, restore)
+        row.held = restore.positions
 
     def _chunk(self, chunk, outcome: TurnOutcome) -> None:
         started = time.perf_counter()
-        cache = self.caches[chunk.handle]
-        windows = None
+        row = self.rows[chunk.handle]
+        cache, windows = row.cache, None
         if chunk.positions is not None:  # sliding windows by true position, across chunks
-            windows = self.windows.get(chunk.handle)
-            if windows is None:
-                windows = self.windows[chunk.handle] = SlidingWindows(
-                    cache, self.held.get(chunk.handle))
+            if row.windows is None:
+                row.windows = SlidingWindows(cache, row.held)
+            windows = row.windows
         logits = prefill_chunk(self.model, mx.array(chunk.tokens), cache, chunk.positions,
                                want_logits=chunk.last, windows=windows)
         if self.kv is not None:  # as mlx-lm's generate_step: after each chunk
             self.kv.apply(cache)
         if chunk.checkpoint and self.checkpointed:
-            self.snapshots.setdefault(chunk.handle, {})[chunk.checkpoint] = snapshot(cache)
+            row.snapshots[chunk.checkpoint] = snapshot(cache)
         outcome.seconds[chunk.handle] = (outcome.seconds.get(chunk.handle, 0.0)
                                          + time.perf_counter() - started)
         if chunk.last and self.sampling:
@@ -292,7 +301,7 @@ class Executor:
         """Sample a prompt's first token from its last chunk's logits (rank 0, which
         sends it to the other ranks in the join). A processor that fails fails its
         request; the plan that ends it releases its work on every rank."""
-        sampler = self.samplers[handle]
+        sampler = self.rows[handle].sampler
         try:
             tokens, logprobs = sample_rows([sampler], logits, [_NO_TOKENS])
             mx.eval(tokens, logprobs or ())  # one sync for the token and its logprobs
@@ -310,12 +319,12 @@ class Executor:
         goes on densely): it comes back as the handle's importance being an error."""
         started = time.perf_counter()
         scorer, handle = self.scorer, unit.handle
+        row = self._row(handle)
         try:
             if unit.restore is not None:
                 cache = _restored(self.draft_prefix, scorer.model, unit.restore)
-                self.scoring[handle] = _DraftWork(cache, scored_sites(scorer.model, unit.length,
-                                                                    cache))
-            work = self.scoring[handle]
+                row.scoring = _DraftWork(cache, scored_sites(scorer.model, unit.length, cache))
+            work = row.scoring
             if unit.reduce:
                 importance = None  # a draft that only computed the prompt's KV
                 if work.queries is not None:
@@ -330,8 +339,8 @@ class Executor:
                             self.draft_prefix.drop(key)
                 if unit.keep:  # the prompt's KV, its lookahead steps cut off
                     trim_prompt_cache(work.cache, cache_length(work.cache) - unit.length)
-                    self.drafts[handle] = work.cache
-                del self.scoring[handle]
+                    row.draft = work.cache
+                row.scoring = None
                 outcome.scored[handle] = importance
             elif unit.lookahead:
                 work.token = lookahead_step(scorer.model, work.token, work.cache, work.sites,
@@ -343,7 +352,7 @@ class Executor:
             else:
                 prefill_chunk(scorer.model, mx.array(unit.tokens), work.cache)
         except Exception as error:
-            self.scoring.pop(handle, None)
+            row.scoring = None
             outcome.scored[handle] = error
         outcome.scoring_seconds[handle] = time.perf_counter() - started
 
@@ -365,10 +374,7 @@ class Executor:
         outcome.loaded[load.draft, load.key] = None if held is None else held.nbytes
 
     def clear(self) -> None:
-        for table in (self.caches, self.snapshots, self.held, self.windows, self.scoring,
-                      self.samplers, self.drafts):
-            table.clear()
-        self.groups.clear()
+        self.rows.clear()
         self.batch = DecodeBatch(self.model, self.group, self.sampling)
         if self.prefix is not None:
             self.prefix.clear()
