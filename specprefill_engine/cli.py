@@ -381,7 +381,7 @@ def cmd_serve(args) -> int:
     try:
         config = ServerConfig(model_name=args.served_model_name, api_key=args.api_key or None,
                               **given("keepalive", "max_queued", "drain_timeout",
-                                      "max_body_bytes"))
+                                      "max_body_bytes", "metadata_lines"))
         engine = make_engine(args, **serve_settings(args))
     except ValueError as error:
         raise UsageError(str(error)) from None
@@ -526,6 +526,9 @@ def parser() -> argparse.ArgumentParser:
                        f"(default {server_default('drain_timeout')})")
     serve.add_argument("--max-body-bytes", type=int, help="request body limit in bytes "
                        f"(default {server_default('max_body_bytes')})")
+    serve.add_argument("--metadata-lines", metavar="REGEX", help="system-prompt lines left "
+                       "out of the prompt, as clients' per-request metadata ('' keeps every "
+                       f"line; default {server_default('metadata_lines')!r})")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     serve.set_defaults(run=cmd_serve)

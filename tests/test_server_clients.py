@@ -198,10 +198,11 @@ def test_unknown_fields_are_ignored_and_named_known_ones_still_checked(long_serv
     assert models["context_length"] == models["max_model_len"] == 65536
 
 
-def test_system_messages_anywhere_and_the_billing_header(tmp_path):
+def test_system_messages_anywhere_and_metadata_lines(tmp_path):
     """A template that refuses a system message after the first turn: it joins the user
     message before it, so the turns before keep their prefix-cache entry; Claude Code's
-    billing-header block changes nothing in the prompt."""
+    billing-header block, or any `x-name: value` line of a system prompt, changes nothing
+    in the prompt (`ServerConfig.metadata_lines`)."""
     strict = DEMO_TEMPLATE.replace(
         "{% for m in messages %}",
         "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
@@ -226,8 +227,38 @@ def test_system_messages_anywhere_and_the_billing_header(tmp_path):
                                          {"role": "user", "content": "Hello there.\n\nAgents: "
                                           "none."}])
         assert first_prompt == rendered.tokens.size
+        # a system prompt that ends with a line changing on every request: the next turn
+        # reads the whole previous prompt from cache, through chat completions and Responses
+        openai_client = served.openai()
+
+        def header(turn: int) -> str:
+            return f"Be brief.\nx-request-context: cch={turn * 7919:05x}; request={turn}"
+        chat = [{"role": "system", "content": header(1)}, {"role": "user", "content": "Hi."}]
+        one = openai_client.chat.completions.create(model="m", max_tokens=4, messages=chat)
+        chat = [{"role": "system", "content": header(2)}, {"role": "user", "content": "Hi."},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye."}]
+        two = openai_client.chat.completions.create(model="m", max_tokens=4, messages=chat)
+        assert two.usage.prompt_tokens_details.cached_tokens >= 0.9 * one.usage.prompt_tokens
+        one = openai_client.responses.create(model="m", max_output_tokens=4,
+                                             instructions=header(3), input="Tell me.")
+        two = openai_client.responses.create(
+            model="m", max_output_tokens=4, instructions=header(4),
+            input=[{"role": "user", "content": "Tell me."},
+                   {"role": "assistant", "content": "Told."},
+                   {"role": "user", "content": "Again."}])
+        assert two.usage.input_tokens_details.cached_tokens >= 0.9 * one.usage.input_tokens
     finally:
         served.stop()
+    keeping = Served(Engine(draft=None), ServerConfig(metadata_lines=""))
+    try:  # metadata_lines="" keeps every line: the changing line reaches the prompt
+        said = keeping.openai().chat.completions.create(
+            model="m", max_tokens=1, messages=[{"role": "system", "content": "x-a: 1"},
+                                               {"role": "user", "content": "Hi."}])
+        assert said.usage.prompt_tokens == keeping.engine.render(
+            [{"role": "system", "content": "x-a: 1"}, {"role": "user", "content": "Hi."}]
+        ).tokens.size
+    finally:
+        keeping.stop()
 
 
 CLAUDE_TASK_SCHEMA = {  # Claude Code's TaskCreate `metadata`: llguidance has no propertyNames

@@ -6,7 +6,7 @@ calls, `thinking` to its `reasoning_content`. A `system` message among `messages
 Claude Code sends) stands where it was written when the template renders one there,
 else joins the user message before it (`chat.place_system_messages`); the system
 prompt's `x-anthropic-billing-header` line (Claude Code's, which changes between
-versions) is left out so it does not change the prompt's first tokens. Unknown fields
+requests) is left out as every metadata line is (`calls.without_metadata`). Unknown fields
 are ignored (`chat.ignored_fields`); `max_tokens` past the context is clamped to what
 fits, with a warning (`warnings`). Tool ids have Anthropic's `toolu_` shape. Output comes back as `thinking`, `text`
 and `tool_use` blocks in the order the model wrote them. `thinking` `enabled` /
@@ -42,7 +42,6 @@ router = APIRouter()
 CLIENT_TOOL_TYPES = (None, "custom")
 UNREAD_BLOCKS = ("redacted_thinking",)  # carry nothing a local model can read
 SERVER_TOOL_BLOCKS = ("server_tool_use", "mcp_tool_use")  # and every "*_tool_result" but ours
-BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block
 
 
 class AnthropicTool(Loose):
@@ -148,18 +147,10 @@ def _assistant(blocks: list, where: str, chat: list) -> None:
     chat.append(entry)
 
 
-def system_text(system) -> str:
-    """The system prompt's text, less Claude Code's billing-header line."""
-    if isinstance(system, list):
-        system = [block for block in system if not (
-            isinstance(block, dict) and str(block.get("text", "")).startswith(BILLING_HEADER))]
-    return _texts(system, "system")
-
-
 def chat_messages(body: Prompt, tokenizer) -> list:
     """Anthropic's system and messages -> the dicts chat templates take."""
     chat = []
-    system = system_text(body.system)
+    system = _texts(body.system, "system")
     if system:
         chat.append({"role": "system", "content": system})
     for index, message in enumerate(body.messages):
@@ -247,7 +238,7 @@ async def messages_call(state, body: MessagesRequest) -> Call:
         options["stop"] = list(body.stop_sequences)
     choice, parallel = _tool_choice(body.tool_choice)
     return await prepare(
-        state.engine, chat_messages(body, state.engine.tokenizer), options, tools=_tools(body),
+        state, chat_messages(body, state.engine.tokenizer), options, tools=_tools(body),
         choice=choice, parallel=parallel, response_format=_response_format(body),
         template_kwargs=_template_kwargs(body))
 

@@ -10,6 +10,7 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -43,6 +44,10 @@ class ServerConfig:
     max_queued: Optional[int] = None  # past max_batch_size + this in flight: 429; None: all wait
     max_body_bytes: int = 32 << 20  # Anthropic's own request limit
     drain_timeout: float = 30.0  # at SIGINT / SIGTERM: seconds running requests may finish in
+    # system-prompt lines left out of the prompt: the `x-name: value` lines clients write
+    # there per request (Claude Code's billing header), which would change the prompt's
+    # prefix on every request and defeat the prefix cache; "" keeps every line
+    metadata_lines: str = r"^x-[A-Za-z0-9-]+:"
 
     def __post_init__(self):
         if not self.keepalive > 0:
@@ -55,6 +60,10 @@ class ServerConfig:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        try:
+            re.compile(self.metadata_lines)
+        except re.error as error:
+            raise ValueError(f"metadata_lines is not a regular expression: {error}") from None
 
 
 @dataclass

@@ -10,6 +10,7 @@ one that does not compile with a ValueError naming response_format (a 400 here).
 import asyncio
 import difflib
 import logging
+import re
 import threading
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -188,12 +189,34 @@ def fold(events: list) -> Output:
     return output
 
 
-async def prepare(engine, chat: list, options: dict, *, tools: Optional[list] = None,
+def without_metadata(chat: list, pattern: str) -> list:
+    """Chat messages whose system and developer messages lack the lines that match
+    `pattern` (`ServerConfig.metadata_lines`): the same request renders the same prompt
+    whatever such a line says, so a line that changes per request does not cut the
+    prefix cache short at the system prompt."""
+    if not pattern:
+        return chat
+    matches = re.compile(pattern).search
+    out = []
+    for message in chat:
+        content = message.get("content")
+        if message["role"] in ("system", "developer") and isinstance(content, str):
+            lines = content.split("\n")
+            kept = [line for line in lines if not matches(line)]
+            if len(kept) < len(lines):
+                message = dict(message, content="\n".join(kept).strip("\n"))
+        out.append(message)
+    return [m for m in out if m["role"] not in ("system", "developer") or m["content"]]
+
+
+async def prepare(state, chat: list, options: dict, *, tools: Optional[list] = None,
                   choice="auto", **how) -> Call:
-    """`build_call` in a thread (it renders and tokenizes the prompt)."""
+    """`build_call` in a thread (it renders and tokenizes the prompt), on the chat
+    without its metadata lines."""
     if not tools and choice not in (None, "auto", "none"):
         raise APIError(400, f"tool_choice is {choice!r} but no tools are given", "tool_choice")
-    return await asyncio.to_thread(build_call, engine, chat, options, tools=tools,
+    chat = without_metadata(chat, state.config.metadata_lines)
+    return await asyncio.to_thread(build_call, state.engine, chat, options, tools=tools,
                                    tool_choice=choice, **how)
 
 

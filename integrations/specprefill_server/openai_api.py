@@ -316,7 +316,7 @@ async def chat_call(state, body: ChatRequest) -> Call:
     chat = chat_messages(body.messages, "developer" in template)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
     return await prepare(
-        state.engine, chat, options, tools=tools, choice=body.tool_choice,
+        state, chat, options, tools=tools, choice=body.tool_choice,
         parallel=body.parallel_tool_calls,
         response_format=response_format(body.response_format),
         template_kwargs=_template_kwargs(body))
