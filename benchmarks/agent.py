@@ -19,7 +19,8 @@ prefill (tool time excluded), and both projected to a Mac from the token counts
 - SpecPrefill + densify: SpecPrefill turns, their dense KV computed while the agent's
   tool runs;
 - engine default: what `Engine()` does with no settings (the automatic policy, repair,
-  densify while idle), at the engine's default cache budgets.
+  densify while idle), at the engine's default cache budgets;
+- default, draft unchecked: the same with `draft_check="off"` (the policy on speed alone).
 Each session runs every row in turn (the order rotating from session to session), each
 on a fresh engine (or cache) warmed up first.
 
@@ -59,6 +60,9 @@ METHODS = {
     "SpecPrefill + reuse": dict(engine={"densify": "off"}, request={"specprefill": True}),
     "SpecPrefill + densify": dict(engine={"densify": "idle"}, request={"specprefill": True}),
     "engine default": dict(engine={}, request={}),
+    # the policy on speed alone: random-weight shapes answer no probe, so the draft check
+    # (rightly) declines them; this row shows what the policy's cost model would choose
+    "default, draft unchecked": dict(engine={"draft_check": "off"}, request={}),
 }
 
 
@@ -168,7 +172,7 @@ def run(args) -> list:
                 settings = {"keep": args.keep, "reuse_coverage": args.coverage,
                             "step_size": args.step_size, "match_weight": args.match_weight,
                             **caches}
-                if name == "engine default":
+                if name in ("engine default", "default, draft unchecked"):
                     settings = {}
                 with Engine(model=args.target, draft=args.draft, **settings,
                             **METHODS[name]["engine"]) as engine:

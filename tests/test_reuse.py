@@ -141,3 +141,21 @@ def test_a_sliding_window_turn_reuses_its_view_up_to_a_window_before_its_end(tmp
     restored_at = int(second.specprefill.reuse.split("checkpoint at ")[1].split()[0])
     assert restored_at >= previous - window - 32, second.specprefill.reuse
     assert second.usage.cached_tokens > 0
+
+
+def test_a_next_turn_whose_reply_comes_back_otherwise_extends_the_view(fresh_cache_dir):
+    """An agent's next prompt holds the previous prompt whole, but its reply as the client
+    sends it back (a template re-rendering a tool call, reasoning dropped, an edit), not as
+    generated: the turn still extends the previous turn's view from where they part (on
+    b8dc896 a reply differing more than 16 tokens before its end made every later turn
+    select anew, at a full SpecPrefill's cost)."""
+    with Engine(densify="off") as engine:
+        messages = make_case(engine.tokenizer, 44, "passkey", 1500).messages
+        first = engine.generate_sync(messages, max_tokens=40, ignore_eos=True,
+                                     specprefill=True, keep=0.3)
+        grown = messages + [{"role": "assistant", "content": "Noted."},
+                            {"role": "user", "content": "And the other number?"}]
+        second = engine.generate_sync(grown, max_tokens=4, specprefill=True, keep=0.3)
+    assert first.specprefill.engaged and second.specprefill.engaged
+    assert "the previous turn's view" in second.specprefill.reuse, second.specprefill.reuse
+    assert second.specprefill.reuse.startswith(f"sparse prefix of {first.usage.prompt_tokens} ")

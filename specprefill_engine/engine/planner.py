@@ -17,7 +17,8 @@ A selection is a function of the prompt (see docs/how-it-works.md, "Agent turns"
   entries depart from the selection: caches make a prefill shorter, never different.
 Two documented reuses, each named in the report: the same request again follows its
 first decision (`decisions.py`), and a conversation's next turn, a prompt that holds a
-stored SpecPrefill turn whole (prompt and reply) and goes on, extends that turn's view:
+stored SpecPrefill turn's prompt whole and goes on, extends that turn's view (with its
+reply as far as the new prompt agrees with it):
 as it is where it kept at least this request's `keep` and covers `reuse_coverage` of
 the top of the new importance, else with the passages the new selection wants added at
 their true positions (a hybrid or sliding-window cache cannot take them out of order:
@@ -51,7 +52,6 @@ from .state import RequestState, Scoring, Status
 
 logger = logging.getLogger(__name__)
 REPAIR_SLOWDOWN_CUDA = 5.8  # a masked forward against a causal one, per token, measured
-FOLLOW_SLACK = 16  # tokens at a stored turn's end a next turn's template may render otherwise
 
 
 @dataclass
@@ -353,7 +353,7 @@ def agreeing_restore(target: Optional[PrefixCache], tokens: np.ndarray,
 
 def continued_view(state: RequestState, runtime: Runtime, hit: Hit, importance: np.ndarray,
                    selected: np.ndarray) -> tuple[Optional[np.ndarray], str]:
-    """A conversation's next turn (`hit`: the stored turn it holds whole): the turn's
+    """A conversation's next turn (`hit`: the stored turn whose prompt it holds): the turn's
     view, extended with the selection past it, and the passages of the selection it
     lacks added at their true positions unless it kept at least `keep` and holds
     `reuse_coverage` of the top of the importance: (positions in feed order, what the
@@ -495,16 +495,15 @@ def promote(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> list
 
 def followed_turn(state: RequestState, target: Optional[PrefixCache]) -> Optional[Hit]:
     """The stored turn this request continues: a conversation's next turn holds a stored
-    entry whole, its prompt and its reply (up to `FOLLOW_SLACK` tokens at the reply's end
-    its chat template may render otherwise), and goes on past it. A retried prompt, a sibling request with the
-    same system prompt or document, continues no turn."""
+    turn's prompt whole (which ends where the reply began) and goes on past it. Its reply
+    may come back otherwise than the tokens generated (a template that re-renders tool
+    calls or drops reasoning, a client that edits it): the view holds up to where they
+    part. A retried prompt, or a sibling request with the same system prompt or document,
+    continues no turn."""
     hit = target.find(state.tokens) if target is not None else None
-    if hit is None:
+    if hit is None or not 0 < hit.entry.prompt <= hit.shared:
         return None
-    stored = hit.entry.tokens.size
-    if hit.shared < max(stored - FOLLOW_SLACK, hit.entry.prompt) or state.tokens.size <= stored:
-        return None
-    return hit
+    return hit if state.tokens.size > hit.shared else None
 
 
 def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
