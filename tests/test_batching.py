@@ -219,7 +219,7 @@ async def test_admission_beyond_the_batch_size_or_kv_budget_waits_and_never_fail
         async def watch():
             while True:
                 seen.append(sum(s.status is Status.DECODING
-                               for s in list(engine._worker.requests.values())))
+                               for s in list(engine._worker.scheduler.requests.values())))
                 await asyncio.sleep(0.002)
 
         watcher = asyncio.create_task(watch())

@@ -83,7 +83,7 @@ def test_chat_model_settings_are_checked_at_construction():
 
 def test_the_public_exceptions_are_importable_from_the_packages():
     from specprefill_engine.core.adapters import UnsupportedModelError
-    from specprefill_engine.engine.worker import EngineFailedError, RequestFailedError
+    from specprefill_engine.engine import EngineFailedError, RequestFailedError
     from specprefill_engine.chat.tool_calls import ToolsNotSupportedError
     from specprefill_engine.loading import ModelLoadError
     from langchain_specprefill.messages import UnsupportedContentError

@@ -5,7 +5,7 @@ from .memory import MemoryBudgetError
 from .results import Chunk, Result, SpecPrefillReport, Timings, TokenLogprob, Usage
 from .runtime import EngineConfig, EngineInfo
 from .sampling import SamplingParams
-from .worker import EngineFailedError, RequestFailedError
+from .scheduler import EngineFailedError, RequestFailedError
 
 __all__ = ["Chunk", "Engine", "EngineConfig", "EngineFailedError", "EngineInfo",
            "MemoryBudgetError", "RequestFailedError",

@@ -229,9 +229,9 @@ class Engine:
         prefilling, broken files ignored, why the tier is off)."""
         if self.rank:
             return {}
-        stats = {"densify": replace(self._worker.densify_stats)}
-        if self._worker.memory_stats is not None:
-            stats["memory"] = self._worker.memory_stats
+        stats = {"densify": replace(self._worker.scheduler.densify_stats)}
+        if self._worker.scheduler.memory_stats is not None:
+            stats["memory"] = self._worker.scheduler.memory_stats
         if self._worker.disk_stats is not None:
             stats["disk"] = replace(self._worker.disk_stats)
         return stats

@@ -48,7 +48,7 @@ from .policy import RECHECK_GAIN, expected_kept, predict, shapes_gain
 from .prefix_cache import Hit, PrefixCache
 from .runtime import Runtime
 from .sampling import RowSampler
-from .state import RequestState, Scoring, Status
+from .state import RequestState, Scoring
 
 logger = logging.getLogger(__name__)
 REPAIR_SLOWDOWN_CUDA = 5.8  # a masked forward against a causal one, per token, measured
@@ -163,7 +163,6 @@ def _set_feed(state: RequestState, runtime: Runtime, hit: Optional[Hit], cut: in
             chunk_ends, restore_points(state, runtime), cut, tokens.size, positions)
     state.prefill = Feed(restore, tokens, positions, cached, chunk_ends, checkpoints)
     state.usage.cached_tokens = cached
-    state.status = Status.PREFILLING
 
 
 def restore_points(state: RequestState, runtime: Runtime) -> tuple:
@@ -221,7 +220,6 @@ def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixC
     feed = Feed(restore, state.tokens[cut:capture_from], cached=cut, chunk_ends=chunk_ends)
     state.usage.draft_cached_tokens = cut
     state.scoring = Scoring(feed, state.tokens[capture_from:], scorer.n_lookahead - 1)
-    state.status = Status.SCORING
 
 
 def on_draft_grid(hit: Hit, length: int, step_size: int, n_window: int) -> int:
@@ -251,7 +249,6 @@ def start_draft_feed(state: RequestState, runtime: Runtime,
                 chunk_ends=chunk_plan(length - cut, cut, scorer.step_size, 0.0))
     state.usage.draft_cached_tokens = cut
     state.scoring = Scoring(feed, state.tokens[:0], 0)
-    state.status = Status.SCORING
 
 
 def scoring_units(state: RequestState, draft: Optional[PrefixCache]) -> list:

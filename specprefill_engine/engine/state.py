@@ -26,7 +26,7 @@ class Status(enum.Enum):
     WAITING = "waiting"  # submitted, not admitted
     SCORING = "scoring"  # admitted: the draft scores its prompt
     PREFILLING = "prefilling"  # admitted: the target computes its feed
-    PREFILLED = "prefilled"  # its last chunk is planned: the first token comes next
+    LAST_CHUNK = "last chunk"  # its last chunk is planned: the first token comes next
     JOINING = "joining"  # its first token is out: it joins the decode in the next plan
     DECODING = "decoding"
     LEAVING = "leaving"  # its result is out: its cache is stored and released next
@@ -99,6 +99,7 @@ class RequestState:
     repaired: int = 0  # tokens of dropped passages its prefill feeds after later entries
     stored_reply: Optional[int] = None  # at its end: reply tokens its kept cache holds
     speculative: bool = False  # its draft keeps the prompt's KV to propose its reply
+    batched: bool = False  # it decodes in the shared batch (which feeds every token read back)
     promoted: bool = False  # the disk tier was consulted for it (before admission)
 
     def __post_init__(self):

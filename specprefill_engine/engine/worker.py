@@ -1,82 +1,40 @@
-"""The worker thread: it owns the models and every live request, and runs the loop.
+"""The worker thread: it owns the models, and runs the loop.
 
 Since mlx 0.31 streams are thread-local, so loading, caches, prefill, decode and
-freeing all happen here. The worker keeps one table of requests, keyed by handle, each
-with its `Status`; it plans, the executor (`executor.py`) computes. Each turn of the
-loop:
-1. takes new requests (blocking only when there is nothing to do) and ends the ones
-   whose callers aborted;
-2. decides the turn's plan (`plan.py`; a request's prefill decisions: `planner.py`): the
-   stores and releases of requests that ended, the joins of requests whose first token is
-   out, one decode step, and one unit of prefill work for the oldest admitted request
-   (first come, first served: later arrivals never stretch an earlier TTFT), a unit of
-   its draft's scoring while it is scored, plus a last chunk costing at most a quarter
-   of a unit. A turn that starts with a whole short prompt (surely dense, one chunk)
-   goes on with the short prompts next in line, up to one unit's cost and four prompts,
-   each in its own forward (its KV is what it would be alone), so requests arriving
-   together start decoding together;
-3. has the executor run the plan (the target's part on every rank of a sharded target:
-   `distributed.py`), then takes its outcome: tokens to the callers (a prompt's first
-   token too), a finished scoring's importance to the selection, each failure to its
-   own request.
-So a decoding stream waits at most about one prefill unit between two tokens. A request
-is admitted to prefill while fewer than `max_batch_size` requests are running and
-their reserved KV fits `kv_cache_bytes`; otherwise it waits in the queue.
-
-Every request ends with a Result or an error, whatever happens, by one path (`_end`,
-its reason as data): a failure in any of a request's steps ends that request alone;
-submission and shutdown are ordered under one lock, requests still queued at shutdown
-end with finish_reason "abort". If the loop itself fails, `_fail` delivers the error
-to every caller without `_end`'s bookkeeping (no plan will run again to store or
-release anything). Densify jobs are the worker's own work, not requests: no caller
-waits on them, so they queue apart (`_jobs`) and end by being dropped.
+freeing all happen here. The loop is the worker's whole job: take what came in its
+mailbox (blocking only when the scheduler has nothing to do), ask the scheduler for
+the turn's plan (`scheduler.py`), have the executor run it (`executor.py`; the
+target's part on every rank of a sharded target: `distributed.py`, the other ranks
+running `follower.py`), and hand the scheduler the outcome. Submission and shutdown
+are ordered under the table's lock; requests still queued at shutdown end with
+finish_reason "abort". If the loop itself fails, every caller gets the error naming
+the cause (`_fail`).
 """
 
-import itertools
 import logging
 import queue
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
-import numpy as np
 
 from ..loading import cache_dir
-from . import densify
-from .delivery import one_delivery
 from .disk_cache import FOLDER as DISK_FOLDER, DiskCache, DiskStats
 from .distributed import Watchdog
-from .executor import Executor, TurnOutcome
+from .executor import Executor
 from .kv_store import KVStore
-from .memory import MemoryBudgetError, MemoryStats, Reservation, need_message, reservation
-from .plan import Join, Store, TurnPlan
-from .planner import (
-    PrefixCaches, after_draft_feed, begin, caches_for, fall_back_to_dense, plan_sparse, promote,
-    scoring_units, short_prefill_share, speculation,
-)
-from .prefix_cache import PrefixCache, prefix_cache_for
-from .results import Progress
+from .plan import TurnPlan
+from .planner import PrefixCaches
+from .prefix_cache import prefix_cache_for
 from .runtime import EngineInfo, Runtime
-from .state import RequestState, Status
+from .scheduler import EngineFailedError, Scheduler
+from .state import RequestState
 
 logger = logging.getLogger(__name__)
 _STOP = object()
-SHORT_PREFILL_FLOOR = 0.25  # the least share of a turn's unit a packed short prefill counts
-# with densify="decode", the statuses a densify unit may share a turn with (none of them
-# waits for a prefill); otherwise a unit runs only when every request has ended
-BESIDE_DECODE = (Status.DECODING, Status.JOINING, Status.LEAVING, Status.ENDED)
-
-
-class EngineFailedError(RuntimeError):
-    """The engine's worker thread failed; the message carries the cause."""
-
-
-class RequestFailedError(RuntimeError):
-    """One request failed on the worker (the cause is chained); the engine goes on."""
 
 
 def make_disk_cache(runtime: Runtime) -> Optional[DiskCache]:
@@ -119,36 +77,22 @@ def make_prefix_caches(runtime: Runtime, disk: Optional[DiskCache] = None
     return PrefixCaches(target, draft), [store, draft_store]
 
 
-def _same_start(tokens: np.ndarray, stored: np.ndarray, length: int = 64) -> bool:
-    """Whether a prompt may continue a stored sequence (an agent's next turn)."""
-    n = min(length, tokens.size, stored.size)
-    return n > 0 and np.array_equal(tokens[:n], stored[:n])
-
-
 class Worker:
     def __init__(self, load: Callable[[], Runtime], name: str = "specprefill-worker"):
         self._load = load
-        self._lock = threading.Lock()
+        self.scheduler = Scheduler()
         self._inbox: "queue.Queue" = queue.Queue()
-        self.requests: dict[int, RequestState] = {}  # the table, by handle, under the lock
         self.ready: Future = Future()
         self.ready.set_running_or_notify_cancel()  # nobody can cancel shared state
         self.closed = False
         self.failure: Optional[BaseException] = None
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._handles = itertools.count(1)
-        # worker-only state
-        self._jobs: deque = deque()  # SpecPrefill turns to densify while idle
-        self._persists: list = []  # Persist ops for the next plan
-        self.densify_stats = densify.DensifyStats()
         self.disk_stats: Optional[DiskStats] = None  # the disk tier's, when it has one
         self.draft_check = None  # the runtime's `DraftCheck` (it holds no model), once loaded
-        self._reserved = 0  # bytes every admitted request's `Reservation` adds up to
-        self.memory_stats: Optional[MemoryStats] = None  # a new one each turn (`stats()`)
-        self._evicted = 0  # prefix-cache entries dropped to make room for requests
+        self.rank_timeout = 0.0  # the sharded target's, for the watchdog's message
+        # the loop's own, read elsewhere only by tests that run on this thread
         self.runtime: Optional[Runtime] = None
         self.executor: Optional[Executor] = None
-        self.prefix_caches: Optional[PrefixCaches] = None
         self._watchdog: Optional[Watchdog] = None
 
     # caller side ---------------------------------------------------------------
@@ -160,30 +104,20 @@ class Worker:
             raise RuntimeError("the engine is shut down")
 
     def submit(self, state: RequestState) -> None:
-        with self._lock:
+        with self.scheduler.lock:
             self.check_open()
-            if any(s.id == state.id for s in self.active()):
-                raise ValueError(f"request_id {state.id!r} is already in flight")
-            state.handle = next(self._handles)
-            self.requests[state.handle] = state
+            self.scheduler.add(state)
             self._inbox.put(state)
 
-    def active(self) -> list:
-        """The requests submitted and not yet finished (hold the lock)."""
-        return [s for s in self.requests.values() if not s.finished]
-
     def active_ids(self) -> list:
-        with self._lock:
-            return [state.id for state in self.active()]
+        return self.scheduler.active_ids()
 
     def find(self, request_id: str) -> Optional[RequestState]:
-        """An unfinished request by its id."""
-        with self._lock:
-            return next((s for s in self.active() if s.id == request_id), None)
+        return self.scheduler.find(request_id)
 
     def stop(self) -> None:
         """Refuse new requests; the worker aborts what is left and exits."""
-        with self._lock:
+        with self.scheduler.lock:
             if not self.closed:
                 self.closed = True
                 self._inbox.put(_STOP)
@@ -198,15 +132,16 @@ class Worker:
             self.ready.set_exception(error)
             mx.clear_streams()
             return
-        self.runtime = runtime  # for inspection only: never used off this thread
+        self.runtime = runtime
         self.draft_check = runtime.vouch
+        self.rank_timeout = runtime.config.rank_timeout
         disk = make_disk_cache(runtime)
         self.disk_stats = disk.stats if disk is not None else None
         caches, (store, draft_store) = make_prefix_caches(runtime, disk)
-        self.prefix_caches = caches  # for inspection only, as `runtime`
         self.executor = Executor(runtime.model, store, runtime.group,
                                  scorer=runtime.scorer, draft_prefix=draft_store, kv=runtime.kv)
-        self._count_memory(runtime, caches)
+        scheduler = self.scheduler
+        scheduler.start(runtime, caches, self.executor.register)
         if runtime.group is not None:
             self._watchdog = Watchdog(runtime.config.rank_timeout, self._rank_lost)
         ranks = runtime.group.size() if runtime.group is not None else 1
@@ -215,15 +150,17 @@ class Worker:
                                          runtime.config.step_size, runtime.vocab_size, ranks,
                                          memory=runtime.memory, rates=runtime.rates))
         try:
-            while self._turn(runtime, caches):
+            while self._turn(runtime):
                 pass
         except BaseException as error:  # a defect in the loop, or a rank lost
             logger.exception("engine worker failed")
             self._fail(error)
         finally:
             if disk is not None and self.failure is None:
-                self._keep_last_turns(caches)
-            self._abort_all()
+                scheduler.closing(self.executor.run)
+            with scheduler.lock:
+                self.closed = True
+            scheduler.abort_all()
             if self._watchdog is not None:
                 self._watchdog.stop()
             if runtime.channel is not None and self.failure is None:
@@ -232,40 +169,18 @@ class Worker:
             if disk is not None:
                 disk.close()  # the queued writes finish; their arrays are let go here
             self.executor.clear()
-            self.runtime = self.executor = self.prefix_caches = None
+            self.runtime = self.executor = scheduler.runtime = scheduler.caches = None
             del runtime, caches  # the models are freed here, on their own thread
             mx.synchronize()
             mx.clear_cache()
             mx.clear_streams()  # a thread exiting with live MLX streams can abort the process
 
-    def _live(self) -> list:
-        """The table now, in submission order."""
-        with self._lock:
-            return list(self.requests.values())
-
-    def _turn(self, runtime: Runtime, caches: PrefixCaches) -> bool:
-        live = self._live()
-        idle = not any(s.status is not Status.ENDED for s in live) and not (
-            self._jobs or self._persists)
-        if not self._take_new(block=idle):
+    def _turn(self, runtime: Runtime) -> bool:
+        """One turn of the loop: False once told to stop or failed."""
+        if not self._take_new(block=self.scheduler.idle()) or self.failure is not None:
             return False
-        if self.failure is not None:
-            return False
-        live = self._live()
-        self._end_aborted(live)
-        plan = TurnPlan(persists=self._persists)
-        self._persists = []
-        self._plan_endings(plan, live, caches.target)
-        self._plan_joins(plan, live, runtime, caches.target)
-        plan.decode = any(s.status is Status.DECODING for s in live)
-        self._plan_prefill(plan, runtime, caches)
-        live = self._live()
-        if caches.target is not None:
-            self._plan_densify(plan, live, runtime, caches.target)
-            for restore in plan.restores:
-                caches.target.touch(restore.key)
-        self._plan_evictions(plan, live, runtime, caches)
-        self._spill(plan, caches)
+        plan = self.scheduler.schedule()
+        outcome = None
         if plan:
             if runtime.channel is not None and plan.targets():
                 runtime.channel.post(plan)
@@ -274,154 +189,8 @@ class Worker:
             outcome = self.executor.run(plan)
             if self._watchdog is not None:
                 self._watchdog.turn_started = None
-            self._commit(plan, outcome, caches)
-            self._absorb(plan, outcome, runtime, caches)
-            self._densified(plan, outcome)
-        self._count_memory(runtime, caches)
+        self.scheduler.update(plan, outcome)
         return True
-
-    # memory ----------------------------------------------------------------------
-
-    def _plan_evictions(self, plan: TurnPlan, live: list, runtime: Runtime,
-                        caches: PrefixCaches) -> None:
-        """Each prefix cache within its own budget and, together, within what the
-        running requests' reservations leave of the memory budget: the target's least
-        recently used entries go first, then the draft's."""
-        room = runtime.memory.budget - self._reserved
-        target, draft = caches.target, caches.draft
-        draft_bytes = draft.total_bytes if draft is not None else 0
-        if target is not None:
-            pinned = {r.key for r in plan.restores} | self._pinned(live)
-            own = target.evictions(pinned)
-            drops = target.evictions(pinned, room - draft_bytes)
-            self._evicted += len(drops) - len(own)
-            plan.drops += drops
-            room -= target.total_bytes - sum(target.entries[k].nbytes for k in drops)
-        if draft is not None:
-            pinned = {u.restore.key for u in plan.scoring if u.restore is not None}
-            own = draft.evictions(pinned)
-            plan.draft_drops = draft.evictions(pinned, room)
-            self._evicted += len(plan.draft_drops) - len(own)
-
-    def _reservation(self, state: RequestState, runtime: Runtime,
-                     scored: Optional[bool] = None) -> Reservation:
-        """What `state` may come to hold: its target KV for the prompt (its kept entries
-        once selected) and max_tokens, and the draft's of the prompt while it may be
-        scored (`scored` None: not known yet) or proposes the reply."""
-        prompt = int(state.tokens.size)
-        entries = prompt if state.positions is None else int(state.positions.size)
-        proposes = state.speculative
-        if scored is None:  # before admission: whatever the draft may do
-            scored = runtime.scorer is not None and state.specprefill is not False
-            proposes = runtime.scorer is not None and state.num_draft_tokens > 0
-        return reservation(runtime.rates, prompt, entries, state.max_tokens, scored, proposes)
-
-    def _reserve(self, state: RequestState, reservation: Reservation) -> None:
-        self._reserved += reservation.total - state.reserved.total
-        state.reserved = reservation
-
-    def _fits(self, need: Reservation, live: list, runtime: Runtime,
-              caches: PrefixCaches, plan: TurnPlan) -> bool:
-        """Whether `need` fits beside the running requests once the prefix caches give
-        back every entry no planned restore names."""
-        pinned = {r.key for r in plan.restores} | self._pinned(live)
-        kept = caches.target.pinned_bytes(pinned) if caches.target is not None else 0
-        return self._reserved + kept + need.total <= runtime.memory.budget
-
-    def _count_memory(self, runtime: Runtime, caches: PrefixCaches) -> None:
-        """`stats()["memory"]`, a new object each turn (read from other threads)."""
-        budget = runtime.memory
-        target = caches.target.total_bytes if caches.target is not None else 0
-        draft = caches.draft.total_bytes if caches.draft is not None else 0
-        requests = {s.id: {"target": s.reserved.target, "draft": s.reserved.draft}
-                    for s in self._live() if s.reserved.total}
-        self.memory_stats = MemoryStats(budget.budget, budget.source, budget.device_bytes,
-                                        budget.weights_bytes, self._reserved + target + draft,
-                                        requests, target, draft, self._evicted)
-
-    def _report_memory(self, state: RequestState, runtime: Runtime) -> None:
-        """The KV the request holds at its end, in its report (`kv_bytes`)."""
-        if state.prefill is None:
-            return
-        rates, report = runtime.rates, state.report
-        replied = self._fed(state)
-        entries = int(state.tokens.size if state.positions is None else state.positions.size)
-        report.kv_bytes = rates.target_bytes(entries + replied)
-        report.dense_kv_bytes = rates.target_bytes(int(state.tokens.size) + replied)
-        scored = state.scoring_busy > 0 or state.usage.draft_cached_tokens > 0
-        if scored or state.speculative or report.drafted_tokens:
-            report.draft_kv_bytes = rates.draft_bytes(
-                int(state.tokens.size) + (replied if report.drafted_tokens else 0))
-
-    @staticmethod
-    def _pinned(live: list) -> set:
-        """Prefix-cache keys a planned restore that has not run yet names: a store must
-        not absorb them, an eviction not drop them."""
-        return {s.prefill.restore.key for s in live
-                if s.prefill is not None and s.prefill.fed == 0 and s.prefill.restore.key >= 0}
-
-    @staticmethod
-    def _spill(plan: TurnPlan, caches: PrefixCaches) -> None:
-        """Entries about to be evicted go to the disk tier, if there is one."""
-        for cache, keys, draft in ((caches.target, plan.drops, False),
-                                   (caches.draft, plan.draft_drops, True)):
-            for key in keys if cache is not None else ():
-                persist = cache.persist(key)
-                if persist is not None:
-                    persist.draft = draft
-                    plan.persists.append(persist)
-
-    def _commit(self, plan: TurnPlan, outcome: TurnOutcome, caches: PrefixCaches) -> None:
-        """The indexes take what the plan's disk reads, stores and drops did, and queue
-        for the next plan the writes worth keeping on disk: a store whose work is released
-        in the same plan is its last (a turn's prompt and reply, a finished densify), and
-        the draft's prompt KV, stored once a scoring is done."""
-        target, draft = caches.target, caches.draft
-        for persist, name in outcome.persisted:
-            PrefixCache.persisted(persist, name)
-        for (is_draft, key), nbytes in outcome.loaded.items():
-            (draft if is_draft else target).loaded(key, nbytes)
-        if target is not None:
-            if outcome.cleared:
-                target.clear()
-            for store in plan.stores if not outcome.cleared else ():
-                target.commit(store, *outcome.stored.get(store.handle, (None,)))
-            for key in plan.drops:
-                target.drop(key)
-            released = set(plan.releases)
-            for store in plan.stores:
-                if store.handle in released:
-                    self._persist_later(target, store.key, False)
-        for unit in plan.scoring:
-            if unit.store is not None:
-                draft.commit(unit.store, *outcome.draft_stored.get(unit.handle, (None,)))
-                self._persist_later(draft, unit.store.key, True)
-        for key in plan.draft_drops:
-            draft.drop(key)
-
-    def _persist_later(self, cache: PrefixCache, key: int, draft: bool) -> None:
-        persist = cache.persist(key)
-        if persist is not None:
-            persist.draft = draft
-            self._persists.append(persist)
-
-    def _keep_last_turns(self, caches: PrefixCaches) -> None:
-        """At shutdown: the stores of requests that ended after the last plan (their
-        results are out, their caches not kept yet), then every write still queued, so
-        the disk tier has every turn."""
-        plan = TurnPlan()
-        self._plan_endings(plan, self._live(), caches.target)
-        for _ in range(2):
-            plan.persists, self._persists = self._persists, []
-            if not plan:
-                return
-            try:
-                outcome = self.executor.run(plan)
-            except Exception as error:  # shutting down: the turn is only not kept
-                logger.warning("keeping the last turns at shutdown failed: %r", error)
-                return
-            self._commit(plan, outcome, caches)
-            plan = TurnPlan()
 
     def _take_new(self, block: bool) -> bool:
         """Wait for a submission when there is nothing to do; False once told to stop."""
@@ -434,389 +203,15 @@ class Worker:
                 return False
             block = False
 
-    def _end_aborted(self, live: list) -> None:
-        for state in live:
-            if state.cancelled.is_set() and not state.finished:
-                self._end(state, "abort")
-
-    @staticmethod
-    def _head(live: list) -> Optional[RequestState]:
-        """The admitted request being scored or prefilled (one at a time)."""
-        return next((s for s in live if s.status in (Status.SCORING, Status.PREFILLING)), None)
-
-    # planning ------------------------------------------------------------------
-
-    def _plan_endings(self, plan: TurnPlan, live: list, target: Optional[PrefixCache]) -> None:
-        """Requests that ended: their cache kept for an agent's next turn (prompt and
-        reply), then their target work released and they leave the table."""
-        for state in live:
-            if state.status is not Status.LEAVING:
-                continue
-            if state.stored_reply is not None and target is not None:
-                store = self._plan_store(plan, state, state.stored_reply, target, live)
-                if state.positions is not None and self.runtime.config.densify != "off":
-                    self._add_job(store.tokens, store.key, int(state.tokens.size))
-            plan.releases.append(state.handle)
-            self._forget(state)
-
-    def _forget(self, state: RequestState) -> None:
-        state.status = Status.ENDED
-        with self._lock:
-            self.requests.pop(state.handle, None)
-
-    # densify ---------------------------------------------------------------------
-
-    def _add_job(self, tokens: np.ndarray, replaces: int, prompt: int) -> None:
-        """A SpecPrefill turn to densify (its sparse entry's key: `replaces`), first in
-        line unless a job is under way: the newest turn is the one an agent's next turn
-        extends. Queued turns it extends are not needed."""
-        jobs = [job for job in self._jobs if job.feed is not None or not (
-            job.tokens.size <= tokens.size and np.array_equal(job.tokens, tokens[: job.tokens.size]))]
-        job = densify.Job(next(self._handles), tokens, replaces, prompt)
-        at = 1 if jobs and jobs[0].feed is not None else 0
-        self._jobs = deque(jobs[:at] + [job] + jobs[at:])
-
-    def _plan_densify(self, plan: TurnPlan, live: list, runtime: Runtime,
-                      target: PrefixCache) -> None:
-        """Keep what the current job computed; give it a unit when nothing else runs
-        (with densify="decode", also beside a decode step)."""
-        if not self._jobs:
-            return
-        job = self._jobs[0]
-        if job.failed:  # given up, not retried
-            plan.releases.append(job.handle)
-            self._jobs.popleft()
-            return
-        store = densify.store(job)
-        if store is not None:
-            target.plan_store(store, self._pinned(live))
-            plan.stores.append(store)
-        if job.feed is not None and job.feed.done:  # done: the dense KV replaces
-            if job.replaces is not None:  # the sparse entry
-                plan.drops.append(job.replaces)
-            plan.releases.append(job.handle)
-            self._jobs.popleft()
-            self.densify_stats.entries += 1
-            return
-        quiet = BESIDE_DECODE if runtime.config.densify == "decode" else (Status.ENDED,)
-        if plan.chunks or any(s.status not in quiet for s in live):
-            return
-        if job.feed is None and not densify.start(job, runtime.model, target,
-                                                  runtime.config.step_size):
-            self._jobs.popleft()  # a dense prefix covers it already
-            return
-        job.feed.add_unit(plan)
-        if plan.decode:
-            self.densify_stats.decode_units += 1
-
-    def _densified(self, plan: TurnPlan, outcome: TurnOutcome) -> None:
-        """The densify units' work."""
-        stats = self.densify_stats
-        for chunk in plan.chunks:
-            if self._jobs and chunk.handle == self._jobs[0].handle:
-                stats.tokens += int(chunk.tokens.size)
-        if self._jobs:
-            job = self._jobs[0]
-            stats.seconds += outcome.seconds.get(job.handle, 0.0)
-            job.failed = job.handle in outcome.failed
-        stats.pending = len(self._jobs)
-
-    @staticmethod
-    def _fed(state: RequestState) -> int:
-        """Generated tokens whose KV is in the request's cache: a batched row has fed
-        every token read back; a solo row samples one ahead."""
-        if state.status is not Status.DECODING:
-            return 0
-        return len(state.generated) - (0 if state.report.batched else 1)
-
-    def _plan_store(self, plan: TurnPlan, state: RequestState, replied: int,
-                    target: PrefixCache, live: list) -> Store:
-        """Keep the request's cache: its prompt and the first `replied` tokens of its reply."""
-        tokens = np.concatenate([state.tokens, np.asarray(state.generated[:replied], np.int32)])
-        positions = state.positions
-        if positions is not None:
-            positions = np.concatenate([positions, state.tokens.size + np.arange(replied)])
-        keep = state.report.keep if state.positions is not None else 1.0
-        store = Store(state.handle, tokens, positions, keep, densified=state.densified,
-                      prompt=int(state.tokens.size))
-        target.plan_store(store, self._pinned(live))
-        plan.stores.append(store)
-        return store
-
-    def _plan_joins(self, plan: TurnPlan, live: list, runtime: Runtime,
-                    target: Optional[PrefixCache]) -> None:
-        """Requests whose first token is out join the decode. One that joins alone, with
-        nothing else decoding, decodes speculatively if it was to; a speculative row
-        another request joins moves into the shared batch."""
-        joining = [s for s in live if s.status is Status.JOINING]
-        decoding = [s for s in live if s.status is Status.DECODING]
-        alone = len(joining) == 1 and not decoding
-        for state in joining:
-            if state.cache_prompt and target is not None and state.positions is None:
-                self._plan_store(plan, state, 0, target, live)  # the prompt's KV
-            if state.speculative and not alone:
-                state.speculative = False
-                state.report.speculative = "off: another request was starting to decode"
-            plan.joins.append(Join(state.handle, state.generated[0], int(state.tokens.size),
-                                   solo=bool(runtime.batch_reason),
-                                   speculative=state.num_draft_tokens if state.speculative else 0))
-        if joining and not runtime.batch_reason:
-            for state in decoding:
-                if state.speculative:
-                    plan.demotions.append(state.handle)
-                    state.speculative = False
-                    state.report.speculative += "; then in the shared batch, another request joined"
-                    state.report.batched = True
-                    state.report.batch_reason = "decoding in the shared batch"
-
-    def _plan_prefill(self, plan: TurnPlan, runtime: Runtime, caches: PrefixCaches) -> None:
-        """One unit of the oldest prefill, or of its draft's scoring. A turn that starts
-        with a whole short prompt goes on with the short prompts next in line while the
-        unit's cost is not spent; each counts at least `SHORT_PREFILL_FLOOR` of it (a
-        forward, its sync and the first token cost host time whatever the length), so at
-        most four share a turn."""
-        spent = 0.0  # share of the unit
-        while True:
-            live = self._live()
-            state, share = self._head(live), None
-            if state is None:
-                waiting = next((s for s in live if s.status is Status.WAITING), None)
-                if waiting is None or waiting.cancelled.is_set():
-                    return  # a cancelled request ends at the next turn's start
-                if any(_same_start(waiting.tokens, store.tokens) for store in plan.stores):
-                    return  # admitted next turn, where its lookup finds what this plan stores
-                share = short_prefill_share(waiting, runtime)
-                if share is not None:
-                    share = max(share, SHORT_PREFILL_FLOOR)
-                if spent and (share is None or spent + share > 1 + 1e-9):
-                    return  # it waits for a turn of its own
-                if not self._admit(waiting, live, runtime, caches, plan):
-                    return
-                if waiting.finished:
-                    continue  # it failed at admission
-                state = waiting
-            if state.status is Status.SCORING:
-                plan.scoring += scoring_units(state, caches_for(state, caches).draft)
-                return
-            state.prefill.add_unit(plan, int(state.tokens.size))
-            if state.prefill.done:
-                state.status = Status.PREFILLED
-            if not state.prefill.done or share is None:
-                return  # a prefill spanning units spends the whole turn
-            spent += share
-
-    def _admit(self, state: RequestState, live: list, runtime: Runtime,
-               caches: PrefixCaches, plan: TurnPlan) -> bool:
-        """Start the oldest waiting request's prefill, if the batch and KV budget allow,
-        after reading back what the disk tier holds for it (a turn of its own)."""
-        running = sum(s.status in (Status.JOINING, Status.DECODING) for s in live)
-        if running >= runtime.config.max_batch_size:
-            return False
-        need = self._reservation(state, runtime)
-        if need.total > runtime.memory.budget:  # `Engine._prepare` refuses it first
-            self._end(state, error=MemoryBudgetError(need_message(
-                need, runtime.memory, f"{state.tokens.size} prompt tokens + max_tokens "
-                f"{state.max_tokens}")))
-            return True
-        if not self._fits(need, live, runtime, caches, plan):
-            return False  # it waits for running requests to end; the caches give back
-        if not state.promoted:
-            state.promoted = True
-            loads = promote(state, runtime, caches)
-            if loads:
-                plan.loads += loads
-                return False  # admitted next turn, where its lookup finds what is read
-        self._reserve(state, need)
-        try:
-            sampler = state.start()
-            others = any(s is not state and s.status is not Status.WAITING and not s.finished
-                         for s in live)
-            state.speculative, state.report.speculative = speculation(state, runtime, sampler,
-                                                                      others)
-            begin(state, runtime, caches)
-            self._reserve(state, self._reservation(state, runtime,
-                                                   state.status is Status.SCORING))
-        except Exception as error:
-            self._end(state, error=error)
-            return True
-        self.executor.register(state.handle, sampler)
-        return True
-
-    # outcomes ------------------------------------------------------------------
-
-    def _absorb(self, plan: TurnPlan, outcome: TurnOutcome, runtime: Runtime,
-                caches: PrefixCaches) -> None:
-        table = {s.handle: s for s in self._live()}
-        failed = outcome.failed
-        for handle, error in failed.items():
-            state = table.get(handle)
-            if state is not None:
-                self._end(state, error=error)
-        for join in plan.joins:
-            state = table.get(join.handle)
-            if state is not None and not state.finished:
-                state.status = Status.DECODING
-                state.report.batched = not (runtime.batch_reason or join.speculative)
-                state.report.batch_reason = runtime.batch_reason or (
-                    "decoding alone, its draft proposing tokens" if join.speculative
-                    else "decoding in the shared batch")
-        for handle, (proposed, taken) in outcome.drafted.items():
-            state = table.get(handle)
-            if state is not None:
-                state.report.drafted_tokens += proposed
-                state.report.accepted_tokens += taken
-        # a speculative row's round gives several tokens: none is taken after the one
-        # that ends its request (`ended`: handle -> (state, reason))
-        firsts, ended = [], {}
-        with one_delivery():  # the step's tokens reach each caller loop in one hand-over
-            for handle, token, logprob in outcome.tokens:
-                state = table.get(handle)
-                if state is None or state.finished or handle in ended:
-                    continue
-                if state.status is Status.PREFILLED:
-                    firsts.append((state, token, logprob))
-                    continue
-                reason = self._accept(state, token, logprob)
-                if reason is not None:
-                    ended[handle] = (state, reason)
-        for state, reason in ended.values():
-            self._end(state, reason)
-        for handle in dict.fromkeys(chunk.handle for chunk in plan.chunks):
-            state = table.get(handle)
-            if state is None or state.finished:
-                continue
-            state.prefill_busy += outcome.seconds.get(handle, 0.0)
-            if state.progress:
-                state.emit(Progress("prefill", state.prefill.fed, int(state.prefill.tokens.size)))
-        for state, token, logprob in firsts:
-            self._first_token(state, token, logprob, runtime)
-        for handle, seconds in outcome.scoring_seconds.items():
-            state = table.get(handle)
-            if state is not None and not state.finished and state.scoring is not None:
-                self._scored(state, seconds, handle in outcome.scored,
-                             outcome.scored.get(handle), runtime, caches)
-
-    def _accept(self, state: RequestState, token: int, logprob) -> Optional[str]:
-        """A sampled token to the request's output: its finish reason when it is done. A
-        failure there ends the request (it is `finished` after)."""
-        state.generated.append(token)
-        try:
-            return state.output.accept(token, logprob)
-        except Exception as error:
-            self._end(state, error=error)
-            return None
-
-    def _first_token(self, state: RequestState, token: int, logprob, runtime: Runtime) -> None:
-        """A prompt's first token out; the request joins a decode in the next plan."""
-        state.timings.prefill = time.perf_counter() - state.started - state.timings.scoring
-        reason = self._accept(state, token, logprob)
-        if state.finished:
-            return
-        feed = state.prefill
-        runtime.costs.observe("repair" if state.repaired else "target", int(feed.tokens.size),
-                              feed.cached, state.prefill_busy)
-        busy = state.prefill_busy + state.scoring_busy
-        if state.follows:
-            runtime.costs.observe_followup(int(state.tokens.size) - state.follows, state.follows,
-                                           busy)
-        if state.cache_prompt and state.tokens.size >= state.threshold:  # a turn the policy weighs
-            runtime.costs.observe_turn(int(state.tokens.size), state.continues, busy)
-        if reason is not None:
-            self._end(state, reason)
-            return
-        state.status = Status.JOINING
-
-    def _scored(self, state: RequestState, seconds: float, done: bool, result,
-                runtime: Runtime, caches: PrefixCaches) -> None:
-        """A unit of the draft's scoring ran; at its end (`done`; `result`: the
-        importance, None when the draft only computed the prompt's KV, or SpecPrefill's
-        own failure, after which the request goes on densely) the selection, or the
-        dense prefill."""
-        scoring = state.scoring
-        scoring.busy += seconds
-        if state.progress:  # with nothing to capture the draft only prefills (for speculation)
-            phase = "scoring" if scoring.capture.size else "draft prefill"
-            state.emit(Progress(phase, scoring.tokens_done(), int(state.tokens.size)))
-        if not done:
-            return
-        caches = caches_for(state, caches)
-        state.timings.scoring = time.perf_counter() - state.started
-        state.scoring_busy = scoring.busy
-        state.scoring = None
-        if result is None:
-            after_draft_feed(state, runtime, caches)
-        else:
-            try:
-                if isinstance(result, Exception):
-                    raise result
-                cached = state.usage.draft_cached_tokens
-                runtime.costs.observe("draft", int(state.tokens.size) - cached, cached,
-                                      scoring.busy)
-                plan_sparse(state, runtime, caches, result)
-            except Exception as error:  # SpecPrefill's own step: the request goes on densely
-                fall_back_to_dense(state, runtime, caches, error)
-        # the draft's KV goes (unless it proposes the reply); a sparse view holds less
-        self._reserve(state, self._reservation(state, runtime, scored=False))
-
-    # endings -------------------------------------------------------------------
-
-    def _end(self, state: RequestState, reason: Optional[str] = None,
-             error: Optional[BaseException] = None) -> None:
-        """The one way a request ends: its result or error goes out now; an admitted
-        request's target work is released (and its cache kept: prompt and the reply fed)
-        in the next plan."""
-        if state.finished:
-            return
-        store = error is None and reason in ("stop", "length") and state.cache_prompt
-        state.stored_reply = self._fed(state) if store else None
-        admitted = state.status is not Status.WAITING
-        state.scoring = None
-        self._reserve(state, Reservation())
-        if self.runtime is not None:
-            self._report_memory(state, self.runtime)
-        self._deliver(state, reason, error)
-        if not admitted:
-            self._forget(state)
-
-    def _deliver(self, state: RequestState, reason: Optional[str],
-                 error: Optional[BaseException]) -> None:
-        """The request's Result, or its error, to its caller; it is finished from now."""
-        state.status = Status.LEAVING
-        if error is None:
-            state.finish_reason = reason
-            state.output.finish(reason, state.usage, state.timings, state.report,
-                                state.called, state.warnings)
-            return
-        logger.warning("request %s failed: %r", state.id, error)
-        if not isinstance(error, (EngineFailedError, RequestFailedError, MemoryBudgetError)):
-            failure = RequestFailedError(f"request {state.id!r} failed: {error!r}")
-            failure.__cause__ = error
-            error = failure
-        state.finish_reason = "error"
-        state.emit(error)
-
     def _fail(self, error: BaseException) -> None:
         """The worker cannot go on: every live request gets an error naming the cause."""
-        with self._lock:
+        with self.scheduler.lock:
             self.failure = error
             self.closed = True
-            live = self.active()
-        failed = EngineFailedError(f"the engine failed: {error!r}")
-        for state in live:
-            self._deliver(state, None, failed)
+        self.scheduler.fail_all(EngineFailedError(f"the engine failed: {error!r}"))
 
     def _rank_lost(self, seconds: float) -> None:
         """The watchdog's call (its own thread): a turn has not ended for `seconds`."""
         logger.error("a rank did not answer for %.0f s: failing every request", seconds)
         self._fail(TimeoutError(f"a rank of the sharded target did not answer within "
-                                f"{self.runtime.config.rank_timeout:.0f} s"))
-
-    def _abort_all(self) -> None:
-        """At shutdown: every request still running or queued ends with "abort"."""
-        with self._lock:
-            self.closed = True
-        for state in self._live():
-            self._end(state, "abort")
-        self._jobs.clear()
-        with self._lock:
-            self.requests.clear()
+                                f"{self.rank_timeout:.0f} s"))
