@@ -454,7 +454,7 @@ def test_the_package_logs_through_logging_and_prints_nothing_by_default():
                           capture_output=True, text=True, timeout=HANG)
     assert quiet.stdout.strip() == loud.stdout.strip() == "failed as expected"
     assert quiet.stderr == ""
-    assert "specprefill_engine.engine.worker" in loud.stderr and "processor bug" in loud.stderr
+    assert "specprefill_engine.engine.scheduler" in loud.stderr and "processor bug" in loud.stderr
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or mx.default_device() != mx.cpu

@@ -93,11 +93,13 @@ class Scheduler:
         self.memory_stats: Optional[MemoryStats] = None  # a new one each turn (`stats()`)
         self._evicted = 0  # prefix-cache entries dropped to make room for requests
 
-    def start(self, runtime: Runtime, caches: PrefixCaches, register: Callable) -> None:
+    def start(self, runtime: Optional[Runtime], caches: Optional[PrefixCaches],
+              register: Optional[Callable]) -> None:
         """The models are loaded: `caches` are the prefix caches' indexes, `register`
-        gives the executor an admitted request's sampler."""
+        gives the executor an admitted request's sampler (all None at shutdown)."""
         self.runtime, self.caches, self._register = runtime, caches, register
-        self._count_memory(runtime, caches)
+        if runtime is not None:
+            self._count_memory(runtime, caches)
 
     # the table (callers' threads, under the lock) ------------------------------------
 

@@ -169,7 +169,8 @@ class Worker:
             if disk is not None:
                 disk.close()  # the queued writes finish; their arrays are let go here
             self.executor.clear()
-            self.runtime = self.executor = scheduler.runtime = scheduler.caches = None
+            scheduler.start(None, None, None)  # it holds nothing of the models
+            self.runtime = self.executor = None
             del runtime, caches  # the models are freed here, on their own thread
             mx.synchronize()
             mx.clear_cache()
