@@ -30,7 +30,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from specprefill_engine import Engine
 
-from specprefill_engine.engine import check_request
+from specprefill_engine.engine import RequestOptions
 from specprefill_engine.chat.call import Call, build_call
 from specprefill_engine.chat.render import tools_problem
 from specprefill_engine.chat.parser_events import ReasoningEvent, TextEvent
@@ -162,8 +162,8 @@ class ChatSpecPrefill(BaseChatModel):
     def _engine_rules(self) -> "ChatSpecPrefill":
         """The engine's own checks of the request settings, at construction rather than
         at the first call."""
-        check_request(**self._given(("keep", "threshold", "num_draft_tokens") + SAMPLING_FIELDS),
-                      stop=tuple(self.stop or ()))
+        given = self._given(("keep", "threshold", "num_draft_tokens") + SAMPLING_FIELDS)
+        RequestOptions.of("ChatSpecPrefill()", {**given, "stop": tuple(self.stop or ())})
         return self
 
     def _given(self, names, kwargs: Optional[dict] = None) -> dict:

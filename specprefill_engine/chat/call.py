@@ -15,6 +15,7 @@ callers run it in a thread, since tokenizing a long prompt takes milliseconds.
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from ..engine.options import RequestOptions
 from .render import Rendered, tool_request
 from .parser_events import TextEvent
 from .tool_calls import OutputParser
@@ -72,5 +73,6 @@ def build_call(engine, messages: list, options: dict, *, tools: Optional[list] =
         if reasoning_budget is not None:
             response_format = {**response_format, "reasoning_budget": reasoning_budget}
         options["response_format"] = response_format
+    RequestOptions.of("the request", options)  # a bad option fails before the prompt renders
     rendered = engine.render(messages, tools, template_kwargs)
     return Call(rendered, options, tools, parse_tools)

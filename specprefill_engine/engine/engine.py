@@ -8,7 +8,6 @@ templating run off the event loop, in a thread of asyncio's pool.
 """
 
 import asyncio
-import inspect
 import itertools
 import logging
 import queue
@@ -28,11 +27,9 @@ from .output import OutputProcessor
 from .results import Chunk, Progress, Result
 from .distributed import distributed_group
 from .follower import FollowerWorker
-from .runtime import (
-    EngineConfig, EngineInfo, check_count, check_draft_tokens, check_keep, load_runtime,
-    load_target,
-)
-from .sampling import SamplingParams, check_keywords
+from .runtime import EngineConfig, EngineInfo, load_runtime, load_target
+from .options import RequestOptions
+from .sampling import check_keywords
 from .worker import Worker
 from .state import RequestState
 
@@ -83,40 +80,6 @@ def tokenize_prompt(prompt: Prompt, tokenizer, vocab_size: int, tools: Optional[
     if len(ids) == 0:
         raise ValueError("prompt is empty after tokenization")
     return np.asarray(ids, dtype=np.int32), rendered
-
-
-def _check_specprefill(specprefill, keep, threshold) -> None:
-    if specprefill not in (None, True, False):
-        raise TypeError(f"specprefill must be None, True or False, got {specprefill!r}")
-    if keep is not None:
-        check_keep(keep)
-    if threshold is not None:
-        check_count(threshold, "threshold")
-
-
-def check_request(specprefill=None, keep=None, threshold=None, num_draft_tokens=None,
-                  **sampling) -> SamplingParams:
-    """A request's SpecPrefill, speculative decoding and sampling settings, checked as the
-    engine checks a request's, with no engine: an integration checks its settings when it
-    is made."""
-    _check_specprefill(specprefill, keep, threshold)
-    if num_draft_tokens is not None:
-        check_draft_tokens(num_draft_tokens)
-    return SamplingParams(**sampling)
-
-
-def _check_options(specprefill, keep, threshold, tools, on_progress, chat_template_kwargs,
-                   chat):
-    _check_specprefill(specprefill, keep, threshold)
-    if tools is not None and not (isinstance(tools, (list, tuple))
-                                  and all(isinstance(t, dict) for t in tools)):
-        raise TypeError("tools must be a list of tool schemas (dicts)")
-    if on_progress is not None and not callable(on_progress):
-        raise TypeError("on_progress must be callable")
-    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-        raise TypeError("chat_template_kwargs must be a dict")
-    if not isinstance(chat, bool):
-        raise TypeError(f"chat must be True or False, got {chat!r}")
 
 
 def _stop_worker(worker: Worker, timeout: float) -> None:
@@ -298,38 +261,21 @@ class Engine:
             state.cancelled.set()
         return state is not None
 
-    def _prepare(self, prompt: Prompt, emit: Callable, stream: bool, *, specprefill=None,
-                 keep=None, threshold=None, tools=None, request_id=None, on_progress=None,
-                 response_format=None, chat_template_kwargs=None, logits_processors=None,
-                 cache_prompt=True, clamp_max_tokens=True, chat=False, num_draft_tokens=None,
-                 **sampling) -> RequestState:
-        """Validate and tokenize on the caller's side; the worker gets a ready state."""
+    def _prepare(self, prompt: Prompt, emit: Callable, stream: bool,
+                 options: RequestOptions) -> RequestState:
+        """Tokenize on the caller's side (the options are checked already); the worker
+        gets a ready state."""
         called = time.perf_counter()
         info = self.info
-        params = SamplingParams(**sampling)
+        params = options.sampling
         if params.top_k >= info.vocab_size:  # mlx-lm's top-k filter needs fewer
             raise ValueError(f"top_k must be below the vocabulary size ({info.vocab_size}; 0 "
                              f"turns it off), got {params.top_k}")
-        _check_options(specprefill, keep, threshold, tools, on_progress, chat_template_kwargs,
-                       chat)
-        if request_id is not None and not (isinstance(request_id, str) and request_id):
-            raise TypeError("request_id must be a non-empty string")
-        logits_processors = list(logits_processors or [])
-        if not all(callable(p) for p in logits_processors):
-            raise TypeError("logits_processors must be a list of callables "
-                            "(generated tokens, logits) -> logits")
-        if not isinstance(cache_prompt, bool):
-            raise TypeError(f"cache_prompt must be True or False, got {cache_prompt!r}")
-        if num_draft_tokens is not None:
-            check_draft_tokens(num_draft_tokens)
-        if not isinstance(clamp_max_tokens, bool):
-            raise TypeError(f"clamp_max_tokens must be True or False, got {clamp_max_tokens!r}")
-        if response_format is not None:
-            from ..chat.constrained import check_response_format
-
-            response_format = check_response_format(response_format)
-        tokens, rendered = tokenize_prompt(prompt, info.tokenizer, info.vocab_size, tools,
-                                           chat_template_kwargs, chat, self.render)
+        specprefill, keep, threshold = options.specprefill, options.keep, options.threshold
+        response_format, clamp_max_tokens = options.response_format, options.clamp_max_tokens
+        tokens, rendered = tokenize_prompt(prompt, info.tokenizer, info.vocab_size, options.tools,
+                                           options.chat_template_kwargs, options.chat,
+                                           self.render)
         max_tokens, warnings = params.max_tokens, []
         if info.context_length:
             room = info.context_length - tokens.size
@@ -352,8 +298,8 @@ class Engine:
             response_format = resolve_response_format(
                 response_format, info.tokenizer, rendered.think if rendered else None, max_tokens)
             constraint = make_constraint(info.tokenizer, response_format)
-        num_draft_tokens = self.config.num_draft_tokens if num_draft_tokens is None \
-            else num_draft_tokens
+        num_draft_tokens = self.config.num_draft_tokens if options.num_draft_tokens is None \
+            else options.num_draft_tokens
         if info.memory is not None:  # refused here, before it is queued: one that cannot fit
             # even alone (the worker checks again at admission)
             draft = self.draft_path is not None
@@ -365,7 +311,7 @@ class Engine:
         protected = None
         if specprefill is not False and self.draft_path is not None and rendered is not None:
             protected = rendered.protected
-        request_id = request_id or f"req-{next(_ids)}"
+        request_id = options.request_id or f"req-{next(_ids)}"
         logger.debug("request %s: %d prompt tokens, max_tokens %d", request_id, tokens.size,
                      max_tokens)
         output = OutputProcessor(request_id, params, max_tokens, info.tokenizer, stream, emit)
@@ -377,8 +323,8 @@ class Engine:
             keep=self.config.keep if keep is None else keep,
             threshold=self.config.threshold if threshold is None else threshold,
             max_tokens=max_tokens, output=output, specprefill=specprefill, stream=stream,
-            progress=on_progress is not None, constraint=constraint,
-            logits_processors=logits_processors, cache_prompt=cache_prompt,
+            progress=options.on_progress is not None, constraint=constraint,
+            logits_processors=list(options.logits_processors), cache_prompt=options.cache_prompt,
             num_draft_tokens=num_draft_tokens,
             protected=protected, warnings=warnings, boundaries=boundaries,
             keep_given=keep is not None or self._keep_given,
@@ -394,7 +340,8 @@ class Engine:
             return None
         return event
 
-    async def _events(self, prompt: Prompt, stream: bool, kwargs: dict) -> AsyncIterator:
+    async def _events(self, prompt: Prompt, stream: bool,
+                      options: RequestOptions) -> AsyncIterator:
         await self.start()
         loop = asyncio.get_running_loop()
         with self._start_lock:
@@ -408,11 +355,11 @@ class Engine:
             if not mailbox.post(events, event) and state is not None:
                 state.cancelled.set()  # the caller's loop is gone: stop working for it
 
-        state = await asyncio.to_thread(self._prepare, prompt, emit, stream, **kwargs)
+        state = await asyncio.to_thread(self._prepare, prompt, emit, stream, options)
         self._worker.submit(state)
         try:
             while True:
-                event = self._receive(await events.get(), kwargs.get("on_progress"))
+                event = self._receive(await events.get(), options.on_progress)
                 if event is not None:
                     yield event
                     if isinstance(event, Result):
@@ -440,8 +387,7 @@ class Engine:
         `request_id`, and `on_progress(Progress)`. An unknown keyword is a TypeError
         that names the nearest valid one.
         """
-        check_keywords("Engine.generate()", kwargs, REQUEST_KEYWORDS)
-        events = self._events(prompt, False, kwargs)
+        events = self._events(prompt, False, RequestOptions.of("Engine.generate()", kwargs))
         try:
             async for event in events:
                 if isinstance(event, Result):
@@ -456,8 +402,7 @@ class Engine:
         Leaving the loop early (break, aclose, cancellation, timeout) aborts the request.
         Takes `generate`'s arguments.
         """
-        check_keywords("Engine.stream()", kwargs, REQUEST_KEYWORDS)
-        events = self._events(prompt, True, kwargs)
+        events = self._events(prompt, True, RequestOptions.of("Engine.stream()", kwargs))
         try:
             async for event in events:
                 if isinstance(event, Chunk):
@@ -467,14 +412,14 @@ class Engine:
 
     # sync facade ---------------------------------------------------------------
 
-    def _sync_events(self, prompt: Prompt, stream: bool, kwargs: dict) -> Iterator:
+    def _sync_events(self, prompt: Prompt, stream: bool, options: RequestOptions) -> Iterator:
         self.start_sync()
         events: "queue.Queue" = queue.Queue()
-        state = self._prepare(prompt, events.put, stream, **kwargs)
+        state = self._prepare(prompt, events.put, stream, options)
         self._worker.submit(state)
         try:
             while True:
-                event = self._receive(_next_event(events), kwargs.get("on_progress"))
+                event = self._receive(_next_event(events), options.on_progress)
                 if event is not None:
                     yield event
                     if isinstance(event, Result):
@@ -484,16 +429,15 @@ class Engine:
 
     def generate_sync(self, prompt: Prompt, **kwargs) -> Result:
         """`generate` from synchronous code (blocks this thread)."""
-        check_keywords("Engine.generate_sync()", kwargs, REQUEST_KEYWORDS)
-        for event in self._sync_events(prompt, False, kwargs):
+        options = RequestOptions.of("Engine.generate_sync()", kwargs)
+        for event in self._sync_events(prompt, False, options):
             if isinstance(event, Result):
                 return event
         raise RuntimeError("request ended without a result")
 
     def stream_sync(self, prompt: Prompt, **kwargs) -> Iterator[Chunk]:
         """`stream` from synchronous code: iterate it; leaving early aborts the request."""
-        check_keywords("Engine.stream_sync()", kwargs, REQUEST_KEYWORDS)
-        events = self._sync_events(prompt, True, kwargs)
+        events = self._sync_events(prompt, True, RequestOptions.of("Engine.stream_sync()", kwargs))
         try:
             for event in events:
                 if isinstance(event, Chunk):
@@ -516,8 +460,5 @@ def _next_event(events: "queue.Queue"):
             continue
 
 
-# the keywords a request takes (`Engine._prepare`'s and the sampling fields), and Engine()
-REQUEST_KEYWORDS = frozenset(
-    [name for name, p in inspect.signature(Engine._prepare).parameters.items()
-     if p.kind is inspect.Parameter.KEYWORD_ONLY] + [f.name for f in fields(SamplingParams)])
+# the keywords Engine() takes
 CONFIG_KEYWORDS = frozenset(["model", "draft", "dtype"] + [f.name for f in fields(EngineConfig)])
