@@ -109,3 +109,10 @@ def kv_bytes(rate: int, entries: int, kv: Optional[QuantizedKV], itemsize: int) 
     if kv is None or entries < kv.start:
         return rate * entries
     return int(rate * entries * kv.ratio(itemsize))
+
+
+def cut_cache(cache: list, count: int) -> list:
+    """The first `count` entries of a row's plain KV caches (quantized or not), as views
+    (no copy: a later write into the live cache copies its buffer first, MLX arrays being
+    values); the layers that cannot be cut as they are (they hold what the row was fed)."""
+    return [cut_layer(layer, count) if type(layer) in PLAIN_KV else layer for layer in cache]

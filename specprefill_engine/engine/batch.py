@@ -32,7 +32,7 @@ from mlx_lm.models.cache import (
 from ..core import positioned_rope
 from ..core.adapters import takes_position_ids
 from ..core.prefill import align_buffers, logits_of
-from ..core.quantized_kv import PLAIN_KV, QuantizedKV, cut_layer
+from ..core.quantized_kv import QuantizedKV, cut_cache
 from .sampling import GREEDY, RowSampler, read_logprobs, sample_rows
 
 POSITIONED_CACHES = (BatchKVCache, BatchRotatingKVCache)
@@ -77,13 +77,6 @@ def batching_support(model: nn.Module) -> str:
     except Exception as error:  # a model whose layers cannot take per-row positions
         return f"batched decode failed on this model: {type(error).__name__}: {error}"
     return ""
-
-
-def cut_cache(cache: list, count: int) -> list:
-    """The first `count` entries of a row's plain KV caches (quantized or not), as views
-    (no copy: a later write into the live cache copies its buffer first, MLX arrays being
-    values); the layers that cannot be cut as they are (they hold what the row was fed)."""
-    return [cut_layer(layer, count) if type(layer) in PLAIN_KV else layer for layer in cache]
 
 
 def _saved(layer):

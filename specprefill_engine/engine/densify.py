@@ -28,8 +28,7 @@ import numpy as np
 
 from ..core.prefill import chunk_plan, prefill_weight
 from .plan import Feed, Store
-from .planner import restore_of
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, restore_of
 
 
 @dataclass

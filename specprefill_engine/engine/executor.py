@@ -32,11 +32,11 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from ..core.prefill import align_buffers, cache_length, prefill_chunk
-from ..core.quantized_kv import QuantizedKV
+from ..core.quantized_kv import QuantizedKV, cut_cache
 from ..core.scoring import DraftScorer, capture_window, importance_of, lookahead_step, scored_sites
 from ..core.sparse_prefill import decode_shift
 from ..core.windows import SlidingWindows
-from .batch import DecodeBatch, SoloDecode, cut_cache
+from .batch import DecodeBatch, SoloDecode
 from .kv_store import KVStore, checkpointed, snapshot
 from .plan import Restore, TurnPlan
 from .sampling import RowSampler, read_logprobs, sample_rows

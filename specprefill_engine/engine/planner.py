@@ -27,7 +27,6 @@ the prompt is selected anew there).
 
 import hashlib
 import logging
-from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
@@ -43,24 +42,15 @@ from ..core.scoring import capture_start, check_score_arguments, score_plan
 from ..core.sparse_prefill import cover_sliding_window
 from .decisions import DENSE, request_key
 from .kv_store import checkpointed
-from .plan import Feed, Restore, ScoreUnit, Store
+from .plan import Feed, ScoreUnit, Store
 from .policy import RECHECK_GAIN, expected_kept, predict, shapes_gain
-from .prefix_cache import Hit, PrefixCache
+from .prefix_cache import Hit, PrefixCache, PrefixCaches, restore_of
 from .runtime import Runtime
 from .sampling import RowSampler
 from .state import RequestState, Scoring
 
 logger = logging.getLogger(__name__)
 REPAIR_SLOWDOWN_CUDA = 5.8  # a masked forward against a causal one, per token, measured
-
-
-@dataclass
-class PrefixCaches:
-    """The indexes of the target's prefix cache (dense and sparse entries) and of the
-    draft's."""
-
-    target: Optional[PrefixCache] = None
-    draft: Optional[PrefixCache] = None
 
 
 def caches_for(state: RequestState, caches: PrefixCaches) -> PrefixCaches:
@@ -174,15 +164,6 @@ def restore_points(state: RequestState, runtime: Runtime) -> tuple:
         return state.boundaries
     step = runtime.config.chunk_size
     return (*state.boundaries, (int(state.tokens.size) - window) // step * step)
-
-
-def restore_of(handle: int, hit: Optional[Hit], cut: int) -> Restore:
-    """Restore `hit`'s entries before position `cut` for `handle` (nothing without a hit
-    or a cut)."""
-    if hit is None or cut <= 0:
-        return Restore(handle)
-    entry = hit.entry
-    return Restore(handle, entry.key, cut, entry.count_before(cut), entry.held_before(cut))
 
 
 def plan_dense(state: RequestState, runtime: Runtime, hit: Optional[Hit]) -> None:

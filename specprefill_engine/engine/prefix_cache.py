@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .kv_store import checkpointed, count_before, serves
-from .plan import Load, Persist, Store
+from .plan import Load, Persist, Restore, Store
 
 
 @dataclass
@@ -299,3 +299,21 @@ class PrefixCache:
         self.entries.clear()
         self.planned.clear()
         self.total_bytes = 0
+
+
+@dataclass
+class PrefixCaches:
+    """The indexes of the target's prefix cache (dense and sparse entries) and of the
+    draft's."""
+
+    target: Optional[PrefixCache] = None
+    draft: Optional[PrefixCache] = None
+
+
+def restore_of(handle: int, hit: Optional[Hit], cut: int) -> Restore:
+    """Restore `hit`'s entries before position `cut` for `handle` (nothing without a hit
+    or a cut)."""
+    if hit is None or cut <= 0:
+        return Restore(handle)
+    entry = hit.entry
+    return Restore(handle, entry.key, cut, entry.count_before(cut), entry.held_before(cut))

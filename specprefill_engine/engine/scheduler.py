@@ -43,10 +43,10 @@ from .executor import TurnOutcome
 from .memory import MemoryBudgetError, MemoryStats, Reservation, need_message, reservation
 from .plan import Join, Store, TurnPlan
 from .planner import (
-    PrefixCaches, after_draft_feed, begin, caches_for, fall_back_to_dense, plan_sparse, promote,
+    after_draft_feed, begin, caches_for, fall_back_to_dense, plan_sparse, promote,
     scoring_units, short_prefill_share, speculation,
 )
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, PrefixCaches
 from .results import Progress
 from .runtime import Runtime
 from .state import RequestState, Status

@@ -26,8 +26,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 from ..core import positioned_rope
 from ..core.adapters import takes_position_ids
 from ..core.prefill import logits_of
-from ..core.quantized_kv import QuantizedKV
-from .batch import cut_cache
+from ..core.quantized_kv import QuantizedKV, cut_cache
 
 
 def speculative_support(model: nn.Module, draft: Optional[nn.Module], group) -> str:

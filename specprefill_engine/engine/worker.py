@@ -27,8 +27,7 @@ from .distributed import Watchdog
 from .executor import Executor
 from .kv_store import KVStore
 from .plan import TurnPlan
-from .planner import PrefixCaches
-from .prefix_cache import prefix_cache_for
+from .prefix_cache import PrefixCaches, prefix_cache_for
 from .runtime import EngineInfo, Runtime
 from .scheduler import EngineFailedError, Scheduler
 from .state import RequestState
