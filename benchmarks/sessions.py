@@ -245,6 +245,8 @@ def make_session(index: int, args, tokenizer, shapes: dict) -> dict:
     for request in requests:  # the prompt as the chat template renders it
         ids = prompt_ids(tokenizer, session, request)
         request["prompt_ids"] = len(ids)
+        # as serve renders it: the header line is a metadata line it leaves out
+        request["served_ids"] = len(prompt_ids(tokenizer, session, {**request, "header": None}))
         request["shared_previous"] = common(ids, previous) if previous else 0
         previous = ids
     return session
@@ -473,7 +475,8 @@ async def send(client: httpx.AsyncClient, url: str, session: dict, request: dict
     record = {"session": session["index"], "turn": request["turn"], "attempt": mode,
               "api": api, "status": None, "ttft": None, "wall": None, "start": time.perf_counter() - t0,
               "failures": [], "after_tool": request["after_tool"],
-              "prompt_ids": request.get("prompt_ids"), "shared_previous": request.get(
+              "prompt_ids": request.get("prompt_ids"), "served_ids": request.get("served_ids"),
+              "shared_previous": request.get(
                   "shared_previous"), "shared_other": request.get("shared_other"),
               "tool_choice": request.get("tool_choice"), "header": bool(request["header"])}
     reply, sent, first = Reply(api), time.perf_counter(), None
