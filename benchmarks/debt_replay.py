@@ -9,9 +9,9 @@ given (from its report), the debt the cost model here predicts from the same his
 and what the later turns really cost beyond dense continuations and beyond mlx-lm's.
 
 What it rebuilds, from the files:
-- follow-ups: the cost folder's own (`followup`), each at its recorded time; and each
-  later turn of a default session that ran dense on a densified view, at its prefill
-  in the cost folder (`target`), which the engine measured but did not count then;
+- follow-ups: the cost folder's own (`followup`: turns that continued a sparse view),
+  each at its recorded time; a later turn that ran dense on a densified view is none
+  (the debt does not count on idle time);
 - turns: each engine row's warm-up (two turns, as `agent.py` runs it) and its six
   steps, a step counted as continuing the turn before unless the engine, by its
   report, took it for a new conversation (a SpecPrefill turn recorded as starting a
@@ -121,13 +121,8 @@ def replay(folder: Path) -> list:
                 turns.append((tokens, measured[tokens]))
             elif row["engaged"]:
                 turns.append((tokens, 0))  # taken for a new conversation
-            else:  # a dense turn on a densified view: its prefill, as the cost folder has it
-                stored = previous["prompt_tokens"] + reply
-                turns.append((tokens, stored))
-                busy = [s for n, c, s, at in recorded["target"] if begin <= at < end
-                        and (n, c) == (row["target_tokens"], row["target_cached"])]
-                if busy:
-                    followup.append((tokens - stored, stored, busy[0], 0.0))
+            else:  # a dense turn on a densified view: a turn, no follow-up
+                turns.append((tokens, previous["prompt_tokens"] + reply))
     return out
 
 

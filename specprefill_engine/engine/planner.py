@@ -495,8 +495,8 @@ def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
     if runtime.scorer is not None:  # without a draft no SpecPrefill turn is stored
         turn = followed_turn(state, caches.target)
         state.continues = turn.shared if turn is not None else 0
-        state.follows = state.continues if turn is not None and (
-            turn.entry.positions is not None or turn.entry.densified) else 0
+        state.follows = state.continues if turn is not None and \
+            turn.entry.positions is not None else 0
         if state.specprefill is not False:
             earlier = runtime.decisions.get(decision_key(state))
             if earlier is not None:

@@ -37,12 +37,14 @@ which it extends, repairs or selects anew, unless the view was densified while t
 conversation was idle; and a turn that selects anew leaves a view of its own, so without
 idle time every later turn of the conversation pays. The debt is what the later turns
 of a conversation that engages now are expected to pay beyond dense continuations:
-- what one later turn pays: every turn that continues a stored turn of a SpecPrefill
-  conversation ("followup": a sparse view, or one densified in time, which pays
-  nothing) is measured, its prefill and scoring against a dense continuation's
+- what one later turn pays: every turn that continues a stored turn's sparse view
+  ("followup") is measured, its prefill and scoring against a dense continuation's
   predicted time, at most a dense prefill of its whole prompt (what ending the chain
-  costs), per token of the turn it followed; the mean over those measured, so turns
-  that found their view densified count with what they paid;
+  costs), per token of the turn it followed; the mean over those measured. A turn that
+  found its view densified is not one: it paid nothing only because its conversation
+  was idle long enough, which the first turn cannot know, so the debt is what later
+  turns pay when the agent's tool returns at once (a mean over both let a loop without
+  idle time engage on the strength of other conversations' idle time, and lose);
 - how many later turns a conversation has: every stored turn of a prompt the policy
   weighs, dense or SpecPrefill, is counted ("turns": whether it continued a stored
   turn), and the later turns per conversation are those that continued one per one
@@ -278,9 +280,8 @@ class CostModel:
             self._laws.clear()
 
     def observe_followup(self, tokens: int, cached: int, seconds: float) -> None:
-        """A turn that continued a stored turn of a SpecPrefill conversation (its sparse
-        view, or that view densified) of `cached` tokens with `tokens` more: its prefill
-        and scoring took `seconds`."""
+        """A turn that continued a stored turn's sparse view of `cached` tokens with
+        `tokens` more: its prefill and scoring took `seconds`."""
         _record(self.followup, tokens, cached, seconds)
 
     def observe_turn(self, tokens: int, continued: int, seconds: float) -> None:

@@ -92,7 +92,7 @@ class RequestState:
     prefill_busy: float = 0.0  # seconds in its chunks (for the cost model)
     scoring_busy: float = 0.0  # seconds in the draft's scoring units (for the cost model)
     continues: int = 0  # the length of a stored turn it continues (for the cost model)
-    follows: int = 0  # that turn's, if it is a SpecPrefill conversation's: sparse or densified
+    follows: int = 0  # that turn's, if it continues the turn's sparse view (for the cost model)
     densified: bool = False  # dense after a densified prefix: its entries count as densified
     positions: Optional[np.ndarray] = None  # each prompt cache entry's position; None: all
     view: Optional[np.ndarray] = None  # the positions the same request kept before, to keep again
