@@ -9,13 +9,13 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from specprefill_engine.engine.kv_store import MAX_CHECKPOINTS, KVStore, reusable
 from specprefill_engine.engine.plan import Store
-from specprefill_engine.engine.prefix_cache import Hit, PrefixCache
+from specprefill_engine.engine.prefix_cache import Hit, PrefixIndex
 
 
 class PrefixPair:
     def __init__(self, max_bytes: int = 2 << 30, max_checkpoints: int = MAX_CHECKPOINTS,
                  disk=None):
-        self.index = PrefixCache(max_bytes, disk=disk)
+        self.index = PrefixIndex(max_bytes, disk=disk)
         self.kv = KVStore(max_bytes, max_checkpoints, disk)
 
     @property

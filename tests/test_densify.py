@@ -118,7 +118,7 @@ async def test_densify_off_stores_only_the_sparse_turn():
         # a later request: its turns plan the first one's ending, where "idle" would
         # queue its densification
         await engine.generate("def f():", max_tokens=2, cache_prompt=False)
-        entries = list(engine._worker.scheduler.caches.target.entries.values())
+        entries = list(engine._worker.scheduler.indexes.target.entries.values())
         stats = engine.stats()["densify"]
         assert stats.tokens == 0 and stats.pending == 0 and stats.entries == 0
     assert len(entries) == 1 and entries[0].positions is not None
@@ -130,7 +130,7 @@ async def test_a_densified_entry_replaces_the_sparse_one_within_the_budget():
         _, messages = turns(engine.tokenizer, 8, 1500)
         await engine.generate(messages, max_tokens=4, specprefill=True)
         await densified(engine)
-        prefix = engine._worker.scheduler.caches.target
+        prefix = engine._worker.scheduler.indexes.target
         entries = list(prefix.entries.values())
         assert len(entries) == 1 and entries[0].positions is None and entries[0].densified
         assert prefix.total_bytes <= budget

@@ -53,7 +53,7 @@ async def test_the_index_and_the_tensors_hold_the_same_entries_across_turns():
     the same entries, and the index counts their bytes."""
     budget = 16 << 20
     async with Engine(prefix_cache_bytes=budget, densify="off") as engine:
-        index = engine._worker.scheduler.caches.target
+        index = engine._worker.scheduler.indexes.target
         held = engine._worker.executor.prefix.held
         messages = list(make_case(engine.tokenizer, 4, "passkey", 1200).messages)
         for turn in range(3):

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..core.prefill import chunk_plan, prefill_weight
 from .plan import Feed, Store
-from .prefix_cache import PrefixCache, restore_of
+from .prefix_cache import PrefixIndex, restore_of
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Job:
         return 0 if self.feed is None else self.feed.cached + self.feed.fed
 
 
-def start(job: Job, model, target: PrefixCache, step_size: int) -> bool:
+def start(job: Job, model, target: PrefixIndex, step_size: int) -> bool:
     """Decide where the job continues from; False when nothing is left to compute."""
     hit = target.find(job.tokens, dense_only=True)
     cut = hit.cut if hit is not None else 0

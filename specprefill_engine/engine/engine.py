@@ -177,7 +177,7 @@ class Engine:
         if self.rank:
             self.start_sync()  # a follower serves, then exits: it has no info to give
         info = (self._worker.ready if self._started else self._ensure_started()).result()
-        check = self._worker.draft_check
+        check = self._worker.vouch
         return info if check is None else replace(info, draft=check.verdict(self.config.keep))
 
     def stats(self) -> dict:

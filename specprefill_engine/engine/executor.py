@@ -295,9 +295,9 @@ class Executor:
         outcome.seconds[chunk.handle] = (outcome.seconds.get(chunk.handle, 0.0)
                                          + time.perf_counter() - started)
         if chunk.last and self.sampling:
-            self._first_token(chunk.handle, logits[:, -1, :], outcome)
+            self._sample_first(chunk.handle, logits[:, -1, :], outcome)
 
-    def _first_token(self, handle: int, logits: mx.array, outcome: TurnOutcome) -> None:
+    def _sample_first(self, handle: int, logits: mx.array, outcome: TurnOutcome) -> None:
         """Sample a prompt's first token from its last chunk's logits (rank 0, which
         sends it to the other ranks in the join). A processor that fails fails its
         request; the plan that ends it releases its work on every rank."""
@@ -337,7 +337,7 @@ class Executor:
                         outcome.draft_stored[handle] = (tuple(held.checkpoints), held.nbytes)
                         for key in () if unit.store.into else unit.store.absorbs:
                             self.draft_prefix.drop(key)
-                if unit.keep:  # the prompt's KV, its lookahead steps cut off
+                if unit.keep_for_decode:  # the prompt's KV, its lookahead steps cut off
                     trim_prompt_cache(work.cache, cache_length(work.cache) - unit.length)
                     row.draft = work.cache
                 row.scoring = None

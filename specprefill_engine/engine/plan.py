@@ -30,7 +30,7 @@ class Store:
     position, or with `positions` the kept ones; with the checkpoints taken on the way.
     As prefix-cache entry `key`, absorbing the entries `absorbs` (their checkpoints move
     over), or with `into`, adding only checkpoints to entry `key`, which holds it already
-    (`PrefixCache.plan_store` decides)."""
+    (`PrefixIndex.plan_store` decides)."""
 
     handle: int
     tokens: np.ndarray
@@ -108,8 +108,9 @@ class ScoreUnit:
     chunk `captures` the window's queries; a `lookahead` step adds a query; the `reduce`
     unit turns the queries into the importance (`tokens`: the whole prompt, kept with
     the draft's cache in its prefix cache as `store` says, and kept for speculative
-    decoding when `keep`). A draft that only computes the prompt's KV (a dense request that will
-    decode speculatively) captures nothing: its `reduce` unit gives no importance."""
+    decoding when `keep_for_decode`). A draft that only computes the prompt's KV (a
+    dense request that will decode speculatively) captures nothing: its `reduce` unit
+    gives no importance."""
 
     handle: int
     length: int
@@ -119,7 +120,7 @@ class ScoreUnit:
     lookahead: bool = False
     reduce: bool = False
     store: Optional[Store] = None
-    keep: bool = False
+    keep_for_decode: bool = False
 
 
 @dataclass(eq=False)
@@ -142,10 +143,10 @@ class Feed:
     def done(self) -> bool:
         return self.fed == self.tokens.size
 
-    def unit(self, prompt_length: int = 0) -> list:
-        """The chunks of one turn from `fed` on: up to the first pause, or the feed's end
-        (the `last` chunk when `prompt_length`: it samples the first token and snapshots
-        the cache as that prefix)."""
+    def take_unit(self, prompt_length: int = 0) -> list:
+        """The chunks of one turn from `fed` on, counted as fed: up to the first pause, or
+        the feed's end (the `last` chunk when `prompt_length`: it samples the first token
+        and snapshots the cache as that prefix)."""
         chunks = []
         for end, pause in self.chunk_ends:
             if end <= self.fed:
@@ -165,7 +166,7 @@ class Feed:
         """This turn's chunks into `plan`, after the restore when they are the first."""
         if self.fed == 0:
             plan.restores.append(self.restore)
-        plan.chunks += self.unit(prompt_length)
+        plan.chunks += self.take_unit(prompt_length)
 
 
 @dataclass

@@ -44,7 +44,7 @@ from .decisions import DENSE, request_key
 from .kv_store import checkpointed
 from .plan import Feed, ScoreUnit, Store
 from .policy import RECHECK_GAIN, expected_kept, predict, shapes_gain
-from .prefix_cache import Hit, PrefixCache, PrefixCaches, restore_of
+from .prefix_cache import Hit, PrefixIndex, PrefixIndexes, restore_of
 from .runtime import Runtime
 from .sampling import RowSampler
 from .state import RequestState, Scoring
@@ -53,12 +53,12 @@ logger = logging.getLogger(__name__)
 REPAIR_SLOWDOWN_CUDA = 5.8  # a masked forward against a causal one, per token, measured
 
 
-def caches_for(state: RequestState, caches: PrefixCaches) -> PrefixCaches:
+def caches_for(state: RequestState, caches: PrefixIndexes) -> PrefixIndexes:
     """The prefix caches a request reads and fills: none with `cache_prompt=False`."""
-    return caches if state.cache_prompt else PrefixCaches()
+    return caches if state.cache_prompt else PrefixIndexes()
 
 
-def find_dense(state: RequestState, target: Optional[PrefixCache]) -> Optional[Hit]:
+def find_dense(state: RequestState, target: Optional[PrefixIndex]) -> Optional[Hit]:
     """The longest prefix of the prompt a dense entry can be restored at."""
     return target.find(state.tokens, dense_only=True) if target is not None else None
 
@@ -90,7 +90,7 @@ def prompt_kind(state: RequestState, runtime: Runtime) -> str:
     return content_kind(runtime.tokenizer.decode(tokens.tolist()))
 
 
-def decide(state: RequestState, runtime: Runtime, caches: PrefixCaches,
+def decide(state: RequestState, runtime: Runtime, caches: PrefixIndexes,
            dense_hit: Optional[Hit], continues: bool) -> tuple[bool, str]:
     """The request's choice, unless too little is left after `dense_hit`, a cached
     prefix, for the automatic policy or a conversation's next turn (`continues`); else
@@ -176,11 +176,11 @@ def plan_dense(state: RequestState, runtime: Runtime, hit: Optional[Hit]) -> Non
     _set_feed(state, runtime, hit, cut, state.tokens[cut:], None)
 
 
-def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixCache],
+def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixIndex],
                   exact: bool) -> None:
     """Score the whole prompt, reusing the draft's prefix cache: its units are the draft's
     prompt chunks from what the cache lacks, the chunk that captures the window's
-    queries, the lookahead steps and the reduction, one per turn (`scoring_units`).
+    queries, the lookahead steps and the reduction, one per turn (`take_scoring_units`).
     `exact`: restore only on the draft's chunk grid (`on_draft_grid`); a conversation's
     next turn, whose view is a documented reuse, continues wherever the stored KV ends."""
     check_sparse_prefill_supported(runtime.model)  # before spending the draft's time
@@ -216,10 +216,10 @@ def on_draft_grid(hit: Hit, length: int, step_size: int, n_window: int) -> int:
 
 
 def start_draft_feed(state: RequestState, runtime: Runtime,
-                     draft: Optional[PrefixCache]) -> None:
+                     draft: Optional[PrefixIndex]) -> None:
     """The prompt's KV through the draft, from what its prefix cache holds, for a dense
     request whose reply the draft will propose: its prompt chunks, one unit per turn,
-    then a reduction that captures nothing (`scoring_units`)."""
+    then a reduction that captures nothing (`take_scoring_units`)."""
     scorer, length = runtime.scorer, int(state.tokens.size)
     hit = draft.find(state.tokens) if draft is not None else None
     cut = hit.entry.restorable(hit.cut) if hit is not None else 0
@@ -232,8 +232,8 @@ def start_draft_feed(state: RequestState, runtime: Runtime,
     state.scoring = Scoring(feed, state.tokens[:0], 0)
 
 
-def scoring_units(state: RequestState, draft: Optional[PrefixCache]) -> list:
-    """The draft's work for this turn: the next chunks up to a pause, else the capturing
+def take_scoring_units(state: RequestState, draft: Optional[PrefixIndex]) -> list:
+    """The draft's work for this turn, counted as done: the next chunks up to a pause, else the capturing
     chunk, else a lookahead step, else the reduction (keeping the draft's cache in its
     prefix cache `draft`, if any; and for speculative decoding, for the reply)."""
     scoring, handle, length = state.scoring, state.handle, int(state.tokens.size)
@@ -241,7 +241,7 @@ def scoring_units(state: RequestState, draft: Optional[PrefixCache]) -> list:
     first = feed.fed == 0 and not scoring.captured
     restore = feed.restore if first else None
     if not feed.done:
-        units = [ScoreUnit(handle, length, chunk.tokens) for chunk in feed.unit()]
+        units = [ScoreUnit(handle, length, chunk.tokens) for chunk in feed.take_unit()]
         units[0].restore = restore
         return units
     if not scoring.captured:
@@ -256,7 +256,7 @@ def scoring_units(state: RequestState, draft: Optional[PrefixCache]) -> list:
         store = Store(handle, state.tokens)
         draft.plan_store(store)
     return [ScoreUnit(handle, length, state.tokens, restore, reduce=True, store=store,
-                      keep=state.speculative)]
+                      keep_for_decode=state.speculative)]
 
 
 def speculation(state: RequestState, runtime: Runtime, sampler: RowSampler,
@@ -302,7 +302,7 @@ def _runs(indices: np.ndarray) -> int:
     return int(indices.size and 1 + np.count_nonzero(np.diff(indices) > 1))
 
 
-def agreeing_restore(target: Optional[PrefixCache], tokens: np.ndarray,
+def agreeing_restore(target: Optional[PrefixIndex], tokens: np.ndarray,
                      positions: np.ndarray) -> Optional[Hit]:
     """Of the cached entries, the one whose leading entries agree longest with the
     planned `positions` (in feed order): same tokens, same kept positions, fed in the
@@ -382,7 +382,7 @@ def repair_pays(repaired: int, fresh: int, slowdown: float) -> bool:
     return repaired * slowdown <= fresh
 
 
-def plan_view(state: RequestState, runtime: Runtime, target: Optional[PrefixCache],
+def plan_view(state: RequestState, runtime: Runtime, target: Optional[PrefixIndex],
               positions: np.ndarray, reuse: str = "") -> None:
     """Prefill the kept `positions` (in feed order): restored from the cached entry that
     agrees with them longest, the rest fed at their true positions."""
@@ -404,7 +404,7 @@ def plan_view(state: RequestState, runtime: Runtime, target: Optional[PrefixCach
     _set_feed(state, runtime, hit, cut, tokens[fed], fed)
 
 
-def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixCaches,
+def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixIndexes,
                 importance: np.ndarray) -> None:
     """Selection over the whole prompt (a function of the prompt: nothing cached changes
     it), or a conversation's next turn's view (`continued_view`); then prefilled from
@@ -435,7 +435,7 @@ def decision_key(state: RequestState) -> bytes:
                        state.threshold)
 
 
-def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixCaches,
+def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixIndexes,
                        error: BaseException) -> None:
     """Any failure of SpecPrefill's own steps (scoring, selection) or an unsupported
     model: the request prefills densely and its report says why."""
@@ -453,7 +453,7 @@ def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixCach
     plan_dense(state, runtime, find_dense(state, caches.target))
 
 
-def promote(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> list:
+def promote(state: RequestState, runtime: Runtime, caches: PrefixIndexes) -> list:
     """Before any lookup: what the disk tiers hold beyond memory, to read back where that
     pays (`Load`s, run before the request is admitted). A dense prefix for every request;
     for one that may be scored, any stored view and the draft's prompt KV too."""
@@ -471,7 +471,7 @@ def promote(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> list
     return [load for load in loads if load is not None]
 
 
-def followed_turn(state: RequestState, target: Optional[PrefixCache]) -> Optional[Hit]:
+def followed_turn(state: RequestState, target: Optional[PrefixIndex]) -> Optional[Hit]:
     """The stored turn this request continues: a conversation's next turn holds a stored
     turn's prompt whole (which ends where the reply began) and goes on past it. Its reply
     may come back otherwise than the tokens generated (a template that re-renders tool
@@ -484,7 +484,7 @@ def followed_turn(state: RequestState, target: Optional[PrefixCache]) -> Optiona
     return hit if state.tokens.size > hit.shared else None
 
 
-def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
+def begin(state: RequestState, runtime: Runtime, caches: PrefixIndexes) -> None:
     """Decide the request's prefill: as the same request before (`decisions.py`), else
     scoring (then `plan_sparse`) or a dense feed, after the draft's own feed of the
     prompt when it is to propose the reply."""
@@ -502,8 +502,9 @@ def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
             if earlier is not None:
                 follow_decision(state, runtime, caches, earlier, dense_hit)
                 return
-    report.engaged, report.reason = decide(state, runtime, caches, dense_hit, turn is not None)
-    if report.engaged:
+    engaged, report.reason = decide(state, runtime, caches, dense_hit, turn is not None)
+    report.engaged = engaged
+    if engaged:
         try:
             start_scoring(state, runtime, caches.draft, exact=turn is None)
             return
@@ -518,26 +519,26 @@ def begin(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
     plan_dense(state, runtime, dense_hit)
 
 
-def follow_decision(state: RequestState, runtime: Runtime, caches: PrefixCaches,
+def follow_decision(state: RequestState, runtime: Runtime, caches: PrefixIndexes,
                     earlier, dense_hit: Optional[Hit]) -> None:
     """The same request again: dense, or the view it kept, as then (no draft scoring; the
     draft feeds the prompt first where it is to propose the reply)."""
-    report = state.report
-    report.engaged = not isinstance(earlier, str)
-    if report.engaged:
+    report, engaged = state.report, not isinstance(earlier, str)
+    report.engaged = engaged
+    if engaged:
         report.reason = "the same request as before: its kept positions again"
         state.view = earlier
     else:
         report.reason = "the same request as before: dense again"
     if state.speculative:
         start_draft_feed(state, runtime, caches.draft)
-    elif report.engaged:
+    elif engaged:
         plan_view(state, runtime, caches.target, earlier.astype(np.int64))
     else:
         plan_dense(state, runtime, dense_hit)
 
 
-def after_draft_feed(state: RequestState, runtime: Runtime, caches: PrefixCaches) -> None:
+def after_draft_feed(state: RequestState, runtime: Runtime, caches: PrefixIndexes) -> None:
     """The draft holds the prompt's KV (to propose the reply): the target's prefill, the
     view the same request kept before or dense."""
     caches = caches_for(state, caches)

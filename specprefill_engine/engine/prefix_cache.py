@@ -109,7 +109,7 @@ class Hit:
 
 def best_hit(entries, tokens: np.ndarray, dense_only: bool = False) -> Optional[Hit]:
     """Of `entries` (oldest first: the newest wins a tie), the one a restore for
-    `tokens` reuses most of (`PrefixCache.find`)."""
+    `tokens` reuses most of (`PrefixIndex.find`)."""
     best = None
     for entry in entries:
         n = min(entry.tokens.size, tokens.size - 1)
@@ -143,16 +143,16 @@ def extends(long: Entry, short: Entry) -> bool:
 
 def prefix_cache_for(model, max_bytes: int, disk=None,
                      predict: Optional[Callable[[int, int], float]] = None
-                     ) -> Optional["PrefixCache"]:
+                     ) -> Optional["PrefixIndex"]:
     """The index of a prefix cache for `model`, or None when it has no budget or a cache
-    layer that can neither be cut nor rebuilt; `disk` and `predict` as `PrefixCache`
+    layer that can neither be cut nor rebuilt; `disk` and `predict` as `PrefixIndex`
     takes them. Its tensors go in a `kv_store.KVStore` of the same budget."""
     if serves(model, max_bytes):
-        return PrefixCache(max_bytes, not checkpointed(model), disk, predict)
+        return PrefixIndex(max_bytes, not checkpointed(model), disk, predict)
     return None
 
 
-class PrefixCache:
+class PrefixIndex:
     """The index of one model's prefix cache, within `max_bytes` (`evictions`).
     `disk`: a `disk_cache.DiskTier` under the memory (None: memory only);
     `predict(tokens, cached)`: the predicted seconds of prefilling `tokens` after
@@ -302,12 +302,12 @@ class PrefixCache:
 
 
 @dataclass
-class PrefixCaches:
+class PrefixIndexes:
     """The indexes of the target's prefix cache (dense and sparse entries) and of the
     draft's."""
 
-    target: Optional[PrefixCache] = None
-    draft: Optional[PrefixCache] = None
+    target: Optional[PrefixIndex] = None
+    draft: Optional[PrefixIndex] = None
 
 
 def restore_of(handle: int, hit: Optional[Hit], cut: int) -> Restore:

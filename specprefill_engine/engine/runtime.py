@@ -291,7 +291,7 @@ def _pair_identity(path: str, model: nn.Module) -> str:
         return f"{path}:{dtype_of(model)}"
 
 
-def draft_check(model_path: str, draft_path: str, model: nn.Module, draft: nn.Module,
+def make_draft_check(model_path: str, draft_path: str, model: nn.Module, draft: nn.Module,
                 config: EngineConfig, sharded: bool) -> DraftCheck:
     """What the engine knows of its draft before any probe: a verdict that needs none
     (the draft is the target; the bundled demo pair; the check turned off; a sharded
@@ -377,7 +377,7 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
     costs = cost_model(model, draft, (model_path, draft_path, dtype, group.size() if group else 1))
     vouch = None
     if draft is not None:
-        vouch = draft_check(model_path, draft_path, model, draft, config, group is not None)
+        vouch = make_draft_check(model_path, draft_path, model, draft, config, group is not None)
         if config.draft_check == "load" and vouch.pending:
             vouch.run(model, draft, tokenizer)
     rates = KVRates(kv_bytes, kv_bytes_per_token(draft) if draft is not None else 0,

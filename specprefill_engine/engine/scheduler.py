@@ -44,9 +44,9 @@ from .memory import MemoryBudgetError, MemoryStats, Reservation, need_message, r
 from .plan import Join, Store, TurnPlan
 from .planner import (
     after_draft_feed, begin, caches_for, fall_back_to_dense, plan_sparse, promote,
-    scoring_units, short_prefill_share, speculation,
+    short_prefill_share, speculation, take_scoring_units,
 )
-from .prefix_cache import PrefixCache, PrefixCaches
+from .prefix_cache import PrefixIndex, PrefixIndexes
 from .results import Progress
 from .runtime import Runtime
 from .state import RequestState, Status
@@ -84,7 +84,7 @@ class Scheduler:
         self.requests: dict[int, RequestState] = {}  # the table, by handle, under the lock
         self._handles = itertools.count(1)
         self.runtime: Optional[Runtime] = None  # set by `start`, on the worker's thread
-        self.caches: Optional[PrefixCaches] = None
+        self.indexes: Optional[PrefixIndexes] = None
         self._register: Optional[Callable] = None  # the executor's, for an admitted sampler
         self._jobs: deque = deque()  # SpecPrefill turns to densify while idle
         self._persists: list = []  # Persist ops for the next plan
@@ -93,11 +93,11 @@ class Scheduler:
         self.memory_stats: Optional[MemoryStats] = None  # a new one each turn (`stats()`)
         self._evicted = 0  # prefix-cache entries dropped to make room for requests
 
-    def start(self, runtime: Optional[Runtime], caches: Optional[PrefixCaches],
+    def start(self, runtime: Optional[Runtime], caches: Optional[PrefixIndexes],
               register: Optional[Callable]) -> None:
         """The models are loaded: `caches` are the prefix caches' indexes, `register`
         gives the executor an admitted request's sampler (all None at shutdown)."""
-        self.runtime, self.caches, self._register = runtime, caches, register
+        self.runtime, self.indexes, self._register = runtime, caches, register
         if runtime is not None:
             self._count_memory(runtime, caches)
 
@@ -132,7 +132,7 @@ class Scheduler:
 
     def schedule(self) -> TurnPlan:
         """The next turn's plan (empty when there is nothing to run)."""
-        runtime, caches = self.runtime, self.caches
+        runtime, caches = self.runtime, self.indexes
         live = self._live()
         self._end_aborted(live)
         plan = TurnPlan(persists=self._persists)
@@ -153,17 +153,17 @@ class Scheduler:
     def update(self, plan: TurnPlan, outcome: Optional[TurnOutcome]) -> None:
         """What the plan did (`outcome`; None: nothing ran)."""
         if outcome is not None:
-            self._commit(plan, outcome, self.caches)
-            self._absorb(plan, outcome, self.runtime, self.caches)
+            self._commit(plan, outcome, self.indexes)
+            self._absorb(plan, outcome, self.runtime, self.indexes)
             self._densified(plan, outcome)
-        self._count_memory(self.runtime, self.caches)
+        self._count_memory(self.runtime, self.indexes)
 
     def closing(self, run: Callable[[TurnPlan], TurnOutcome]) -> None:
         """At shutdown: the stores of requests that ended after the last plan (their
         results are out, their caches not kept yet), then every write still queued, so
         the disk tier has every turn (`run`: the executor's)."""
         plan = TurnPlan()
-        self._plan_endings(plan, self._live(), self.caches.target)
+        self._plan_endings(plan, self._live(), self.indexes.target)
         for _ in range(2):
             plan.persists, self._persists = self._persists, []
             if not plan:
@@ -173,7 +173,7 @@ class Scheduler:
             except Exception as error:  # shutting down: the turn is only not kept
                 logger.warning("keeping the last turns at shutdown failed: %r", error)
                 return
-            self._commit(plan, outcome, self.caches)
+            self._commit(plan, outcome, self.indexes)
             plan = TurnPlan()
 
     def abort_all(self) -> None:
@@ -216,7 +216,7 @@ class Scheduler:
 
     # planning ----------------------------------------------------------------------
 
-    def _plan_endings(self, plan: TurnPlan, live: list, target: Optional[PrefixCache]) -> None:
+    def _plan_endings(self, plan: TurnPlan, live: list, target: Optional[PrefixIndex]) -> None:
         """Requests that ended: their cache kept for an agent's next turn (prompt and
         reply), then their target work released and they leave the table."""
         for state in live:
@@ -230,7 +230,7 @@ class Scheduler:
             self._forget(state)
 
     def _plan_store(self, plan: TurnPlan, state: RequestState, replied: int,
-                    target: PrefixCache, live: list) -> Store:
+                    target: PrefixIndex, live: list) -> Store:
         """Keep the request's cache: its prompt and the first `replied` tokens of its reply."""
         tokens = np.concatenate([state.tokens, np.asarray(state.generated[:replied], np.int32)])
         positions = state.positions
@@ -244,7 +244,7 @@ class Scheduler:
         return store
 
     def _plan_joins(self, plan: TurnPlan, live: list, runtime: Runtime,
-                    target: Optional[PrefixCache]) -> None:
+                    target: Optional[PrefixIndex]) -> None:
         """Requests whose first token is out join the decode. One that joins alone, with
         nothing else decoding, decodes speculatively if it was to; a speculative row
         another request joins moves into the shared batch."""
@@ -269,7 +269,7 @@ class Scheduler:
                     state.batched = state.report.batched = True
                     state.report.batch_reason = "decoding in the shared batch"
 
-    def _plan_prefill(self, plan: TurnPlan, runtime: Runtime, caches: PrefixCaches) -> None:
+    def _plan_prefill(self, plan: TurnPlan, runtime: Runtime, caches: PrefixIndexes) -> None:
         """One unit of the oldest prefill, or of its draft's scoring. A turn that starts
         with a whole short prompt goes on with the short prompts next in line while the
         unit's cost is not spent; each counts at least `SHORT_PREFILL_FLOOR` of it (a
@@ -296,7 +296,7 @@ class Scheduler:
                     continue  # it failed at admission
                 state = waiting
             if state.status is Status.SCORING:
-                plan.scoring += scoring_units(state, caches_for(state, caches).draft)
+                plan.scoring += take_scoring_units(state, caches_for(state, caches).draft)
                 return
             state.prefill.add_unit(plan, int(state.tokens.size))
             if state.prefill.done:
@@ -306,7 +306,7 @@ class Scheduler:
             spent += share
 
     def _admit(self, state: RequestState, live: list, runtime: Runtime,
-               caches: PrefixCaches, plan: TurnPlan) -> bool:
+               caches: PrefixIndexes, plan: TurnPlan) -> bool:
         """Start the oldest waiting request's prefill, if the batch and KV budget allow,
         after reading back what the disk tier holds for it (a turn of its own)."""
         running = sum(s.status in (Status.JOINING, Status.DECODING) for s in live)
@@ -356,7 +356,7 @@ class Scheduler:
         self._jobs = deque(jobs[:at] + [job] + jobs[at:])
 
     def _plan_densify(self, plan: TurnPlan, live: list, runtime: Runtime,
-                      target: PrefixCache) -> None:
+                      target: PrefixIndex) -> None:
         """Keep what the current job computed; give it a unit when nothing else runs
         (with densify="decode", also beside a decode step)."""
         if not self._jobs:
@@ -403,7 +403,7 @@ class Scheduler:
     # memory and the prefix caches ----------------------------------------------------
 
     def _plan_evictions(self, plan: TurnPlan, live: list, runtime: Runtime,
-                        caches: PrefixCaches) -> None:
+                        caches: PrefixIndexes) -> None:
         """Each prefix cache within its own budget and, together, within what the
         running requests' reservations leave of the memory budget: the target's least
         recently used entries go first, then the draft's."""
@@ -441,14 +441,14 @@ class Scheduler:
         state.reserved = reservation
 
     def _fits(self, need: Reservation, live: list, runtime: Runtime,
-              caches: PrefixCaches, plan: TurnPlan) -> bool:
+              caches: PrefixIndexes, plan: TurnPlan) -> bool:
         """Whether `need` fits beside the running requests once the prefix caches give
         back every entry no planned restore names."""
         pinned = {r.key for r in plan.restores} | self._pinned(live)
         kept = caches.target.pinned_bytes(pinned) if caches.target is not None else 0
         return self._reserved + kept + need.total <= runtime.memory.budget
 
-    def _count_memory(self, runtime: Runtime, caches: PrefixCaches) -> None:
+    def _count_memory(self, runtime: Runtime, caches: PrefixIndexes) -> None:
         """`stats()["memory"]`, a new object each turn (read from other threads)."""
         budget = runtime.memory
         target = caches.target.total_bytes if caches.target is not None else 0
@@ -481,7 +481,7 @@ class Scheduler:
                 if s.prefill is not None and s.prefill.fed == 0 and s.prefill.restore.key >= 0}
 
     @staticmethod
-    def _spill(plan: TurnPlan, caches: PrefixCaches) -> None:
+    def _spill(plan: TurnPlan, caches: PrefixIndexes) -> None:
         """Entries about to be evicted go to the disk tier, if there is one."""
         for cache, keys, draft in ((caches.target, plan.drops, False),
                                    (caches.draft, plan.draft_drops, True)):
@@ -491,14 +491,14 @@ class Scheduler:
                     persist.draft = draft
                     plan.persists.append(persist)
 
-    def _commit(self, plan: TurnPlan, outcome: TurnOutcome, caches: PrefixCaches) -> None:
+    def _commit(self, plan: TurnPlan, outcome: TurnOutcome, caches: PrefixIndexes) -> None:
         """The indexes take what the plan's disk reads, stores and drops did, and queue
         for the next plan the writes worth keeping on disk: a store whose work is released
         in the same plan is its last (a turn's prompt and reply, a finished densify), and
         the draft's prompt KV, stored once a scoring is done."""
         target, draft = caches.target, caches.draft
         for persist, name in outcome.persisted:
-            PrefixCache.persisted(persist, name)
+            PrefixIndex.persisted(persist, name)
         for (is_draft, key), nbytes in outcome.loaded.items():
             (draft if is_draft else target).loaded(key, nbytes)
         if target is not None:
@@ -519,7 +519,7 @@ class Scheduler:
         for key in plan.draft_drops:
             draft.drop(key)
 
-    def _persist_later(self, cache: PrefixCache, key: int, draft: bool) -> None:
+    def _persist_later(self, cache: PrefixIndex, key: int, draft: bool) -> None:
         persist = cache.persist(key)
         if persist is not None:
             persist.draft = draft
@@ -528,7 +528,7 @@ class Scheduler:
     # outcomes ----------------------------------------------------------------------
 
     def _absorb(self, plan: TurnPlan, outcome: TurnOutcome, runtime: Runtime,
-                caches: PrefixCaches) -> None:
+                caches: PrefixIndexes) -> None:
         table = {s.handle: s for s in self._live()}
         failed = outcome.failed
         for handle, error in failed.items():
@@ -619,7 +619,7 @@ class Scheduler:
         state.status = Status.JOINING
 
     def _scored(self, state: RequestState, seconds: float, done: bool, result,
-                runtime: Runtime, caches: PrefixCaches) -> None:
+                runtime: Runtime, caches: PrefixIndexes) -> None:
         """A unit of the draft's scoring ran; at its end (`done`; `result`: the
         importance, None when the draft only computed the prompt's KV, or SpecPrefill's
         own failure, after which the request goes on densely) the selection, or the

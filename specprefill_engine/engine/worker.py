@@ -27,7 +27,7 @@ from .distributed import Watchdog
 from .executor import Executor
 from .kv_store import KVStore
 from .plan import TurnPlan
-from .prefix_cache import PrefixCaches, prefix_cache_for
+from .prefix_cache import PrefixIndexes, prefix_cache_for
 from .runtime import EngineInfo, Runtime
 from .scheduler import EngineFailedError, Scheduler
 from .state import RequestState
@@ -48,7 +48,7 @@ def make_disk_cache(runtime: Runtime) -> Optional[DiskCache]:
 
 
 def make_prefix_caches(runtime: Runtime, disk: Optional[DiskCache] = None
-                       ) -> tuple[PrefixCaches, list]:
+                       ) -> tuple[PrefixIndexes, list]:
     """The indexes of the target's prefix cache and of the draft's (the planner's), and
     their tensors' stores (the executor's: the target's, the draft's; None where there is
     no cache), each over its model's disk tier in `disk`."""
@@ -73,7 +73,7 @@ def make_prefix_caches(runtime: Runtime, disk: Optional[DiskCache] = None
                                        runtime.identities[1], "draft")
     target, store = cache_for(runtime.model, config.prefix_cache_bytes, runtime.identities[0],
                               "target")
-    return PrefixCaches(target, draft), [store, draft_store]
+    return PrefixIndexes(target, draft), [store, draft_store]
 
 
 class Worker:
@@ -87,7 +87,7 @@ class Worker:
         self.failure: Optional[BaseException] = None
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.disk_stats: Optional[DiskStats] = None  # the disk tier's, when it has one
-        self.draft_check = None  # the runtime's `DraftCheck` (it holds no model), once loaded
+        self.vouch = None  # the runtime's `DraftCheck` (it holds no model), once loaded
         self.rank_timeout = 0.0  # the sharded target's, for the watchdog's message
         # the loop's own, read elsewhere only by tests that run on this thread
         self.runtime: Optional[Runtime] = None
@@ -132,7 +132,7 @@ class Worker:
             mx.clear_streams()
             return
         self.runtime = runtime
-        self.draft_check = runtime.vouch
+        self.vouch = runtime.vouch
         self.rank_timeout = runtime.config.rank_timeout
         disk = make_disk_cache(runtime)
         self.disk_stats = disk.stats if disk is not None else None
