@@ -117,3 +117,27 @@ async def test_after_a_failed_request_the_next_one_answers_as_on_a_fresh_engine(
         after = [kept(await engine.generate(p, max_tokens=8, specprefill=True))
                  for p in (prompt, grown)]
     assert after == [fresh(prompt), fresh(grown)]
+
+
+async def test_a_dense_conversations_next_turn_stays_dense_when_its_cache_was_evicted(
+        fresh_cache_dir):
+    """A conversation the policy ran dense: its next turn, adding fewer tokens than the
+    threshold, runs dense whether its earlier turn's KV is cached or gone (evicted under
+    load), so it answers as alone (on b8dc896 an evicted turn was weighed as a cold
+    prompt and the policy could engage, and answer otherwise)."""
+    results = {}
+    for budget in (None, 0):  # the default prefix cache, and none at all
+        settings = {} if budget is None else {"prefix_cache_bytes": 0}
+        async with Engine(densify="off", **settings) as engine:
+            first = make_case(engine.tokenizer, 21, "passkey", 700).messages
+            one = await engine.generate(first, max_tokens=8)
+            grown = first + [{"role": "assistant", "content": one.text},
+                             {"role": "user", "content": make_case(
+                                 engine.tokenizer, 22, "passkey", 600).messages[-1]["content"]}]
+            results[budget] = await engine.generate(grown, max_tokens=8)
+    cached, evicted = results[None], results[0]
+    assert cached.usage.prompt_tokens >= 1024 > cached.usage.prompt_tokens - 700
+    assert not cached.specprefill.engaged and "after a cached prefix" in cached.specprefill.reason
+    assert not evicted.specprefill.engaged, evicted.specprefill.reason
+    assert "after an earlier turn of" in evicted.specprefill.reason
+    assert evicted.token_ids == cached.token_ids

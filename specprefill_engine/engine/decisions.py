@@ -9,6 +9,11 @@ positions the target kept, in the order they were fed. A later identical request
 view (restored from whatever cached entry agrees with it; what none holds is prefilled
 again), without the draft. Nothing is repaired or grows through repeats.
 
+It also keeps the prompts the automatic policy ran dense (their lengths and digests):
+a conversation's next turn that adds too little to be worth sparsifying to such a turn
+runs dense as well, whether or not that turn's KV is still cached (under load it may
+have been evicted, and the turn would otherwise be weighed as a cold prompt).
+
 Only the worker reads and writes it. Least recently used records leave first.
 """
 
@@ -30,11 +35,35 @@ def request_key(tokens: np.ndarray, specprefill: Optional[bool], keep: float, ke
 
 
 class Decisions:
-    """Request key -> `DENSE` or the kept positions (int32, in feed order)."""
+    """Request key -> `DENSE` or the kept positions (int32, in feed order); and the
+    prompts the policy ran dense, as (length, digest of their tokens)."""
 
     def __init__(self, max_records: int = MAX_RECORDS):
         self.max_records = max_records
         self.records: "OrderedDict[bytes, Union[str, np.ndarray]]" = OrderedDict()
+        self.prompts: "OrderedDict[tuple, None]" = OrderedDict()
+
+    def ran_dense(self, tokens: np.ndarray) -> None:
+        """A prompt the automatic policy ran dense."""
+        data = np.ascontiguousarray(tokens, dtype=np.int32)
+        key = (int(data.size), hashlib.sha1(data.tobytes()).digest())
+        self.prompts[key] = None
+        self.prompts.move_to_end(key)
+        while len(self.prompts) > self.max_records:
+            self.prompts.popitem(last=False)
+
+    def dense_prefix(self, tokens: np.ndarray) -> int:
+        """The longest prompt run dense before that `tokens` extends (0: none), in one
+        pass over the tokens."""
+        data = np.ascontiguousarray(tokens, dtype=np.int32)
+        lengths = sorted({length for length, _ in self.prompts if length < data.size})
+        digest, done, found = hashlib.sha1(), 0, 0
+        for length in lengths:
+            digest.update(data[done:length].tobytes())
+            done = length
+            if (length, digest.copy().digest()) in self.prompts:
+                found = length
+        return found
 
     def get(self, key: bytes) -> Optional[Union[str, np.ndarray]]:
         found = self.records.get(key)

@@ -110,6 +110,10 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixIndexes,
         return False, (f"only {length - dense_hit.cut} tokens to prefill after a cached "
                        f"prefix of {dense_hit.cut}: too few to sparsify (< {floor}); "
                        "dense, not scored")
+    earlier = runtime.decisions.dense_prefix(state.tokens) if state.specprefill is None else 0
+    if earlier and length - earlier < floor:  # the same, cached or not (an evicted turn)
+        return False, (f"only {length - earlier} tokens after an earlier turn of {earlier} "
+                       f"run dense: too few to sparsify (< {floor}); dense, not scored")
     if state.specprefill:
         if runtime.vouch is not None:
             runtime.vouch.warn_given(state.keep)
@@ -513,6 +517,8 @@ def begin(state: RequestState, runtime: Runtime, caches: PrefixIndexes) -> None:
             return
     if runtime.scorer is not None and state.specprefill is not False:
         runtime.decisions.record(decision_key(state), DENSE)
+        if state.specprefill is None:
+            runtime.decisions.ran_dense(state.tokens)
     if state.speculative:
         start_draft_feed(state, runtime, caches.draft)
         return
