@@ -204,9 +204,12 @@ def without_metadata(chat: list, pattern: str) -> list:
             lines = content.split("\n")
             kept = [line for line in lines if not matches(line)]
             if len(kept) < len(lines):
-                message = dict(message, content="\n".join(kept).strip("\n"))
+                content = "\n".join(kept).strip("\n")
+                if not content:
+                    continue  # it held only metadata: gone, as if never sent
+                message = dict(message, content=content)
         out.append(message)
-    return [m for m in out if m["role"] not in ("system", "developer") or m["content"]]
+    return out
 
 
 async def prepare(state, chat: list, options: dict, *, tools: Optional[list] = None,
