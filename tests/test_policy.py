@@ -357,15 +357,26 @@ def retry_storm(tmp_path_factory, demo_pair):
     return folder, first, later
 
 
+def _predicted(result) -> float:
+    """The policy's prediction for the path the request ran."""
+    report = result.specprefill
+    return report.predicted_specprefill_s if report.engaged else report.predicted_dense_s
+
+
 def test_a_retried_prompt_does_not_switch_specprefill_off(retry_storm):
+    """Retries leave each model's cost where measured: a retried prompt's few-token draft
+    prefill (the scoring step's fixed cost) once became the draft's seconds per FLOP,
+    1000x too slow, and every later long prompt ran dense. Whether a 2,000-token prompt
+    then engages depends on this machine's load (its gain here is near the margin), so
+    the test asserts the predictions the decision reads, not the decision."""
     _, first, later = retry_storm
-    assert first[0].specprefill.engaged, first[0].specprefill.reason
+    assert first[0].specprefill.engaged, first[0].specprefill.reason  # the FLOP ratio's scale
     for result in later:
-        report = result.specprefill
-        assert report.engaged and report.reason.startswith("policy: predicted"), report.reason
+        assert result.specprefill.reason.startswith("policy: predicted"), result.specprefill.reason
     for result in later[1:]:  # the first long one may still run on the FLOP ratio's scale
-        predicted = result.specprefill.predicted_specprefill_s
-        assert _measured(result) / 3 <= predicted <= 3 * _measured(result)
+        assert _measured(result) / 3 <= _predicted(result) <= 3 * _measured(result)
+        report = result.specprefill
+        assert report.predicted_specprefill_s < 3 * report.predicted_dense_s
 
 
 NEW_PROCESS = """
@@ -377,19 +388,21 @@ with Engine() as engine:
                                   max_tokens=4)
 report = result.specprefill
 print(json.dumps([report.engaged, report.reason, report.predicted_specprefill_s,
-                  result.timings.scoring + result.timings.prefill]))
+                  report.predicted_dense_s, result.timings.scoring + result.timings.prefill]))
 """
 
 
-def test_a_new_process_engages_from_the_persisted_costs(retry_storm):
+def test_a_new_process_predicts_from_the_persisted_costs(retry_storm):
     folder, _, later = retry_storm
     saved = json.loads(next((folder / "costs").glob("*.json")).read_text())
     assert saved["version"] == 2 and saved["draft"]["points"]
     run = subprocess.run([sys.executable, "-c", NEW_PROCESS], capture_output=True, text=True,
                          env={**os.environ, "SPECPREFILL_CACHE_DIR": str(folder)}, timeout=300)
     assert run.returncode == 0, run.stderr
-    engaged, reason, predicted, measured = json.loads(run.stdout.splitlines()[-1])
-    assert engaged, reason
+    engaged, reason, predicted, dense, measured = json.loads(run.stdout.splitlines()[-1])
+    assert reason.startswith("policy: predicted"), reason
+    if not engaged:  # the machine's load decides near the margin; compare what it weighed
+        predicted = dense
     # the prediction is in seconds of this machine: the saved fits were loaded (the
     # FLOP prior's seconds are ~10x off here). It is compared with what the process
     # that saved them measured for prompts of this size (2000 tokens): a machine that
