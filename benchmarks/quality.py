@@ -30,6 +30,17 @@ file) already has. `--table FILES` prints saved runs' tables.
     python benchmarks/quality.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
         --scorers draft --kinds code_return passkey --lengths 4096 --repeats 50 --json pair.jsonl
 
+`--engine`: what a user of the engine gets on the same cases, through `Engine(model,
+draft)` with no settings (`default`: the automatic policy and its draft check),
+SpecPrefill off (`dense`) and forced at `--keeps` (`forced`, 0.3 unless given), each case in a user
+message and, with `--placements user tool`, as the result of a `read_file` tool call (a
+coding agent's shape: a system prompt, the tool's schema, the call, the file). One engine
+serves all three rows; the dense and forced rows neither read nor fill its prefix cache.
+
+    python benchmarks/quality.py --engine --model qwen2.5-coder-1.5b \
+        --draft qwen2.5-coder-0.5b --kinds code_return code_far passkey multikey \
+        --placements user tool --lengths 1024 --repeats 6 --json engine.jsonl
+
 `benchmarks/plots.py` draws accuracy against keep from these files.
 """
 
@@ -247,7 +258,109 @@ def real_run(args) -> None:
                           flush=True)
 
 
-def load_folder(name: str, folders: dict):
+AGENT_SYSTEM = "You are a coding assistant. Read files with the tools before you answer."
+READ_FILE = {"type": "function", "function": {
+    "name": "read_file", "description": "Read a file of the repository.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}}
+
+
+def as_tool_result(tokenizer, case) -> list:
+    """The case's prompt with its document as the result of a `read_file` call: the
+    question in the user's message, the reply opening with the answer's opening."""
+    marker = "\x00"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
+                                             tokenize=False, add_generation_prompt=True)
+    template_tail = rendered.split(marker)[1]
+    text = tokenizer.decode(case.ids[case.head:])
+    at = text.rindex(template_tail)
+    opening = text[at + len(template_tail):]
+    document, question = text[:at].rsplit("\n\n", 1)
+    document = document.removeprefix("```python\n").removesuffix("```")
+    path = "records.py" if case.kind in code_tasks.KINDS else "notes.txt"
+    messages = [
+        {"role": "system", "content": AGENT_SYSTEM},
+        {"role": "user", "content": f"{question} It is in {path}."},
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_0", "type": "function",
+            "function": {"name": "read_file", "arguments": {"path": path}}}]},
+        {"role": "tool", "tool_call_id": "call_0", "name": "read_file", "content": document},
+    ]
+    prompt = tokenizer.apply_chat_template(messages, tools=[READ_FILE], tokenize=False,
+                                           add_generation_prompt=True)
+    return tokenizer.encode(prompt + opening, add_special_tokens=False)
+
+
+def engine_run(args) -> None:
+    """The engine's rows (`--engine`), one JSON line per case and placement."""
+    from specprefill_engine import Engine
+
+    out = Path(args.json)
+    out.touch()
+    done = {(r["model"], r["kind"], r["length"], r["seed"], r["placement"])
+            for path in [out, *args.done] for r in map(json.loads, Path(path).read_text().splitlines())}
+    target, draft = (str(load_folder(name, args.folder, path_only=True))
+                     for name in (args.model[0], args.draft))
+    keep, started = args.keeps[-1], time.perf_counter()
+    with Engine(model=target, draft=draft) as engine:
+        tokenizer = engine.tokenizer
+        for seed in range(args.repeats):
+            for length in args.lengths:
+                for kind in args.kinds:
+                    case = make_case(tokenizer, kind, length, seed)
+                    for placement in args.placements:
+                        key = (args.model[0], kind, length, seed, placement)
+                        if key in done:
+                            continue
+                        if args.until and time.perf_counter() - started > args.until:
+                            return
+                        ids = case.ids if placement == "user" else as_tool_result(tokenizer, case)
+                        row = {"model": args.model[0], "draft_model": args.draft, "kind": kind,
+                               "length": length, "seed": seed, "placement": placement,
+                               "tokens": len(ids), "device": str(mx.default_device())}
+                        runs = {"default": {},
+                                "dense": {"specprefill": False, "cache_prompt": False},
+                                "forced": {"specprefill": True, "keep": keep,
+                                           "cache_prompt": False}}
+                        for method, options in runs.items():
+                            result = engine.generate_sync(ids, max_tokens=case.max_tokens,
+                                                          temperature=0.0, **options)
+                            report = result.specprefill
+                            row[method] = is_right(case, result.text)
+                            row[f"{method}_text"] = result.text
+                            row[f"{method}_engaged"] = report.engaged
+                            row[f"{method}_kept"] = report.kept_tokens
+                            if method == "default":
+                                row["default_reason"] = report.reason
+                        row["forced_keep"] = keep
+                        with out.open("a") as f:
+                            f.write(json.dumps(row) + "\n")
+                        print(f"{kind} {length} seed {seed} {placement}: dense {row['dense']} "
+                              f"default {row['default']} ({'engaged' if row['default_engaged'] else 'declined'}) "
+                              f"forced {row['forced']}", file=sys.stderr, flush=True)
+
+
+def engine_table(rows: list) -> str:
+    """Per content kind and placement: dense's right answers, and what the default and
+    the forced rows held of them."""
+    cells = {}
+    for r in rows:
+        group = "code" if r["kind"] in code_tasks.KINDS else "prose"
+        cells.setdefault((r["model"], group, r["placement"]), []).append(r)
+    lines = ["| model | content | placement | n | dense right | default: engaged, held "
+             "| forced keep: held |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (model, group, placement), cell in sorted(cells.items()):
+        right = [r for r in cell if r["dense"]]
+        held = {m: sum(r[m] for r in right) for m in ("default", "forced")}
+        engaged = sum(r["default_engaged"] for r in cell)
+        keep = cell[0]["forced_keep"]
+        lines.append(f"| {model} | {group} | {placement} | {len(cell)} | {len(right)} | "
+                     f"{engaged} of {len(cell)}; {held['default']} of {len(right)} | "
+                     f"{keep}: {held['forced']} of {len(right)} |")
+    return "\n".join(lines)
+
+
+def load_folder(name: str, folders: dict, path_only: bool = False):
     """A model by name (of `gguf.MODELS`, or given a folder by --folder) or folder, in
     the device's default dtype (float32 on a CPU; as stored on a GPU: bfloat16, or an
     MLX-quantized model's bits)."""
@@ -257,6 +370,8 @@ def load_folder(name: str, folders: dict):
         folder = gguf.convert(name)
     else:
         folder = Path(name)
+    if path_only:
+        return folder
     model, tokenizer = load(str(folder))
     if default_dtype() is not None:
         model.set_dtype(default_dtype())
@@ -393,16 +508,20 @@ def real_main(parser, args) -> int:
     for name in args.model:
         if name not in gguf.MODELS and name not in args.folder and not Path(name).is_dir():
             parser.error(f"--model {name}: not of {sorted(gguf.MODELS)} and given no --folder")
+    if args.engine and not (args.draft and len(args.model) == 1):
+        parser.error("--engine needs one --model and its --draft")
     if args.table is None:
         if not args.json:
             parser.error("--json is needed to run the grid")
-        real_run(args)
+        (engine_run if args.engine else real_run)(args)
         args.table = [args.json]
+    rows = [json.loads(line) for path in args.table for line in Path(path).read_text().splitlines()]
+    if rows and "placement" in rows[0]:
+        print(engine_table(rows))
+        return 0
     cases = {}  # a case in several files (runs of other keeps) is one case
-    for path in args.table:
-        for line in Path(path).read_text().splitlines():
-            r = json.loads(line)
-            cases.setdefault((r["model"], r["kind"], r["length"], r["seed"]), {}).update(r)
+    for r in rows:
+        cases.setdefault((r["model"], r["kind"], r["length"], r["seed"]), {}).update(r)
     rows = list(cases.values())
     print(table(rows))
     print()
@@ -430,7 +549,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kinds", nargs="+", choices=sorted({*DEMO_KINDS, *KINDS}),
                         help=f"default: the demo pair's {list(DEMO_KINDS)}; real weights' "
                              f"{list(prose_tasks.KINDS)}")
-    parser.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.2, 0.3])
+    parser.add_argument("--keeps", type=float, nargs="+",
+                        help="default 0.1 0.2 0.3; --engine: the forced row's keep, 0.3")
     parser.add_argument("--no-peer", action="store_true", help="demo pair: skip vllm-mlx")
     parser.add_argument("--peer-site", help="folder holding vllm_mlx and mlx_lm 0.31 (no pip)")
     parser.add_argument("--folder", nargs="*", default=[], metavar="NAME=PATH",
@@ -453,9 +573,14 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-limit", type=float, default=0, metavar="GB",
                         help="device memory this process may use, its buffer cache a seventh "
                              "(processes sharing a GPU: MLX's cache otherwise keeps what it freed)")
+    parser.add_argument("--engine", action="store_true",
+                        help="through the engine: its default, dense and forced at --keeps")
+    parser.add_argument("--placements", nargs="+", choices=["user", "tool"], default=["user"],
+                        help="--engine: the document in a user message, or a read_file result")
     parser.add_argument("--table", nargs="*", help="print the table of these JSON-lines files")
     parser.add_argument("--plot", help="with --table: draw accuracy retained against keep")
     args = parser.parse_args(argv)
+    args.keeps = args.keeps or ([0.3] if args.engine else [0.1, 0.2, 0.3])
     if args.model is None and args.table is None:
         if args.kinds and not set(args.kinds) <= set(DEMO_KINDS):
             parser.error(f"the demo pair's kinds are {list(DEMO_KINDS)}")

@@ -24,8 +24,9 @@ also send Claude Code's `x-anthropic-billing-header` block first, with a changin
 tool call (`tool_choice`; mlx_lm.server ignores it).
 
 Reported per session and overall: requests, failures (a non-2xx other than a clear
-4xx, a malformed stream or reply, a tool call whose name or arguments do not parse, a
-tool call left in the text, a reply that is a stray template token such as
+4xx, one saying the request alone exceeds the server's memory or context: the replay
+sends only valid requests; a malformed stream or reply, a tool call whose name or
+arguments do not parse, a tool call left in the text, a reply that is a stray template token such as
 `</tool_response>` or `<|im_end|>`, a special token in the text), time to first token
 p50 / p99 (first text or tool-call delta), decode tokens/s, prompt tokens served from
 cache (OpenAI `usage.prompt_tokens_details.cached_tokens`, Anthropic
@@ -92,10 +93,23 @@ WORDS = ("tariff margin parcel rebate quota beacon cargo depot freight harbor in
 CALL_TOKENS = 64  # max_tokens at least, where a call is required (a cut call is no call)
 BLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
         "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3")
+# the 4xx a valid request may get: it alone exceeds the server's memory or context
+BUDGET_ERRORS = re.compile(r"memory_budget_exceeded|context|too long|maximum", re.I)
 SMALL = dict(system_tokens=600, tool_result_tokens=[60, 300], reply_tokens=[16, 48], turns=3,
              tool_seconds=0.2, stagger=0.3)
 DEFAULTS = dict(system_tokens=16000, tool_result_tokens=[200, 10000], reply_tokens=[50, 500],
                 turns=5, tool_seconds=1.0, stagger=1.0)
+
+
+def is_clear_4xx(status: int, raw: str) -> bool:
+    """An error answer the replay accepts: a 4xx in the API's shape saying the request
+    alone exceeds the server's memory or context. The replay sends only valid requests,
+    so any other 4xx refused one the server should have served."""
+    try:
+        error = json.loads(raw)
+    except ValueError:
+        return False
+    return 400 <= status < 500 and "error" in error and bool(BUDGET_ERRORS.search(raw))
 
 
 # --- the sessions' traffic ------------------------------------------------------------
@@ -486,11 +500,7 @@ async def send(client: httpx.AsyncClient, url: str, session: dict, request: dict
             record["status"] = response.status_code
             if response.status_code != 200:
                 raw = (await response.aread()).decode(errors="replace")
-                try:
-                    error = json.loads(raw)
-                    clear = 400 <= response.status_code < 500 and "error" in error
-                except ValueError:
-                    clear = False
+                clear = is_clear_4xx(response.status_code, raw)
                 record["body"] = raw[:300]
                 if not clear:
                     record["failures"].append(f"HTTP {response.status_code}: {raw[:120]!r}")

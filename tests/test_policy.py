@@ -1,6 +1,7 @@
 """The automatic policy (specprefill=None): engage only where the predicted gain
 beats the margin, from the models' shapes refined by the prefills the engine runs."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 
 from specprefill_engine import Engine
 from specprefill_engine.demo_tasks import make_case
-from specprefill_engine.engine.policy import CostModel, Shape, predict
+from specprefill_engine.engine.policy import CostModel, Shape, predict, shapes_gain
 from specprefill_engine.loading import DEMO_TARGET
 
 pytestmark = pytest.mark.timeout(600)
@@ -267,6 +268,12 @@ def test_the_h100_agent_loop_declines_without_tool_time_whatever_others_idled():
     assert not no_tools.pays(0.1), no_tools.describe()
     assert no_tools.dense_s - no_tools.specprefill_s == pytest.approx(0.7, abs=0.1)
     assert no_tools.debt_s > 1.0  # the cell's later turns cost 2.4 s over dense
+    # nor does the re-check of a wrong speed fit engage it: the shapes' gain (2.39x here)
+    # does not beat the debt either (on 3955275 the re-check engaged every other decline
+    # and the loop ran 0.69-0.77x mlx-lm's wall on an H100)
+    shapes = shapes_gain(_h100_history(()), *first)
+    assert shapes > 2 and not no_tools.worth_rechecking(shapes)
+    assert dataclasses.replace(no_tools, debt_s=0.0).worth_rechecking(shapes)  # a single request
     session = [(_AGENT_PROMPTS[0], 0, None)] + [  # later turns on densified views
         (tokens, _AGENT_PROMPTS[step] + 12, None) for step, tokens in enumerate(_AGENT_PROMPTS[1:])]
     after_tools = predict(_h100_history(tuple(session) * 3), *first)

@@ -111,3 +111,15 @@ def test_the_checks_catch_broken_replies(text, calls, done, expected):
     fine.text, fine.done, fine.usage = ["Let me read it."], True, {"completion": 4}
     fine.calls = {0: {"name": "read", "arguments": '{"path": "a.py"}'}}
     assert sessions.problems(fine, {"read"}, after_tool=True) == []
+
+
+def test_a_4xx_is_clear_only_where_the_request_exceeds_a_budget():
+    """The replay sends valid requests: a 400 from an internal error (an llguidance that
+    took one end token answered every tool request so) is a failure, not a clear 4xx."""
+    budget = json.dumps({"error": {"message": "the request needs 3.1 GB of KV",
+                                   "code": "memory_budget_exceeded"}})
+    internal = json.dumps({"error": {"message": "argument 'eos_token': 'list' object "
+                                     "cannot be interpreted as an integer"}})
+    assert sessions.is_clear_4xx(400, budget)
+    assert not sessions.is_clear_4xx(400, internal)
+    assert not sessions.is_clear_4xx(500, budget) and not sessions.is_clear_4xx(400, "oops")

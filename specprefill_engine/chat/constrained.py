@@ -650,7 +650,10 @@ def llg_tokenizer(tokenizer):
         backend = copy.copy(backend)
         backend.no_padding()
         backend.no_truncation()
-        built = llguidance.LLTokenizer(backend.to_str(), eos_token=eos)
+        try:
+            built = llguidance.LLTokenizer(backend.to_str(), eos_token=eos)
+        except TypeError:  # an llguidance that takes one end token: the model's first
+            built = llguidance.LLTokenizer(backend.to_str(), eos_token=eos[0])
         _llg_tokenizers[tokenizer] = built
         return built
 

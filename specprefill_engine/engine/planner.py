@@ -43,7 +43,7 @@ from ..core.sparse_prefill import cover_sliding_window
 from .decisions import DENSE, request_key
 from .kv_store import checkpointed
 from .plan import Feed, ScoreUnit, Store
-from .policy import RECHECK_GAIN, expected_kept, predict, shapes_gain
+from .policy import expected_kept, predict, shapes_gain
 from .prefix_cache import Hit, PrefixIndex, PrefixIndexes, restore_of
 from .runtime import Runtime
 from .sampling import RowSampler
@@ -135,7 +135,7 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixIndexes,
         return True, f"policy: {prediction.describe()}"
     shapes = shapes_gain(costs, length, dense_hit.cut if dense_hit else 0,
                          draft_hit.cut if draft_hit else 0, kept)
-    if shapes >= RECHECK_GAIN and costs.recheck.due():  # a wrong fit must not lock itself in
+    if prediction.worth_rechecking(shapes) and costs.recheck.due():  # a wrong fit, not locked in
         declined = not_vouched(state, runtime)
         if declined:
             return False, declined

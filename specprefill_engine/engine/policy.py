@@ -54,8 +54,8 @@ times the later turns per conversation, bounded by the dense prefill that would 
 chain. Until a follow-up is measured it is 0.
 
 A policy that declines where the shapes alone predict a large gain (`RECHECK_GAIN`)
-engages now and then anyway, at growing intervals, so a wrong fit is
-measured and corrected instead of locking itself in (`Recheck`).
+that would also beat the debt engages now and then anyway, at growing intervals, so a
+wrong fit is measured and corrected instead of locking itself in (`Recheck`).
 
 A repair (`planner.py`) feeds a stored sparse view's dropped passages after entries of
 later positions: its forwards attend through a mask by position, which may cost about
@@ -461,6 +461,13 @@ class Prediction:
         """SpecPrefill is worth engaging: the predicted gain beats 1 + margin, and the
         seconds it saves beat the conversation's debt."""
         return self.gain >= 1 + margin and self.dense_s - self.specprefill_s > self.debt_s
+
+    def worth_rechecking(self, shapes: float) -> bool:
+        """A decline that the shapes' gain (`shapes_gain`) contradicts is re-checked only
+        where that gain would pay too: at least `RECHECK_GAIN`, and saving more of the
+        predicted dense seconds than the conversation's debt. The re-check tests the speed
+        fit; it never overrides what later turns are measured to pay."""
+        return shapes >= RECHECK_GAIN and self.dense_s * (1 - 1 / shapes) > self.debt_s
 
     def describe(self) -> str:
         debt = f", later turns' debt {self.debt_s:.3f}s" if self.debt_s else ""
