@@ -64,6 +64,7 @@ from specprefill_engine.benchmarking import (
     KINDS as DEMO_KINDS, answer_text, dense_answer, quality_cases, quality_rows, quality_table,
     random_selection, sparse_answer,
 )
+from specprefill_engine.chat.render import Rendered, render_chat
 from specprefill_engine.core import score_tokens, select_chunks
 from specprefill_engine.core.matching import MATCH_WEIGHT, question_match, with_matches
 from specprefill_engine.core.scoring import N_WINDOW
@@ -265,9 +266,10 @@ READ_FILE = {"type": "function", "function": {
                    "required": ["path"]}}}
 
 
-def as_tool_result(tokenizer, case) -> list:
-    """The case's prompt with its document as the result of a `read_file` call: the
-    question in the user's message, the reply opening with the answer's opening."""
+def as_tool_result(tokenizer, case) -> Rendered:
+    """The case's prompt with its document as the result of a `read_file` call, rendered
+    as the engine renders a server's messages (so it protects what it protects there):
+    the question in the user's message, the reply opening with the answer's opening."""
     marker = "\x00"
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
                                              tokenize=False, add_generation_prompt=True)
@@ -286,9 +288,11 @@ def as_tool_result(tokenizer, case) -> list:
             "function": {"name": "read_file", "arguments": {"path": path}}}]},
         {"role": "tool", "tool_call_id": "call_0", "name": "read_file", "content": document},
     ]
-    prompt = tokenizer.apply_chat_template(messages, tools=[READ_FILE], tokenize=False,
-                                           add_generation_prompt=True)
-    return tokenizer.encode(prompt + opening, add_special_tokens=False)
+    chat = render_chat(tokenizer, messages, tools=[READ_FILE])
+    ids = np.asarray(tokenizer.encode(opening, add_special_tokens=False), dtype=np.int32)
+    return dataclasses.replace(chat, text=chat.text + opening,
+                               tokens=np.concatenate([chat.tokens, ids]),
+                               protected=np.concatenate([chat.protected, np.ones(ids.size, bool)]))
 
 
 def engine_run(args) -> None:
@@ -317,7 +321,8 @@ def engine_run(args) -> None:
                         ids = case.ids if placement == "user" else as_tool_result(tokenizer, case)
                         row = {"model": args.model[0], "draft_model": args.draft, "kind": kind,
                                "length": length, "seed": seed, "placement": placement,
-                               "tokens": len(ids), "device": str(mx.default_device())}
+                               "tokens": len(ids if placement == "user" else ids.tokens),
+                               "device": str(mx.default_device())}
                         runs = {"default": {},
                                 "dense": {"specprefill": False, "cache_prompt": False},
                                 "forced": {"specprefill": True, "keep": keep,

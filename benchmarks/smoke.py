@@ -20,6 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEMO_TARGET = str(ROOT / "specprefill_engine" / "assets" / "demo-target")
+DEMO_DRAFT = str(ROOT / "specprefill_engine" / "assets" / "demo-draft")
 TINY = ["--shape", "tiny", "--draft-shape", "tiny"]
 
 # entry point -> its tiny runs (each a list of arguments; "{json}" is a file to write)
@@ -34,6 +35,9 @@ RUNS = {
          "--no-peer", "--json", "{json}"],
         ["--model", DEMO_TARGET, "--scorers", "self", "--kinds", "passkey", "code_return",
          "--lengths", "384", "--repeats", "1", "--keeps", "0.3", "--json", "{json}"],
+        ["--engine", "--model", DEMO_TARGET, "--draft", DEMO_DRAFT, "--kinds", "passkey",
+         "--placements", "user", "tool", "--lengths", "384", "--repeats", "1", "--json",
+         "{json}"],
     ],
     "throughput.py": [
         ["--shape", "tiny", "--streams", "2", "--lengths", "64", "--new-tokens", "8",
