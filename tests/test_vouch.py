@@ -183,9 +183,9 @@ def test_a_pair_that_loses_code_answers_declines_code_and_engages_on_prose(
     from specprefill_engine.prose_tasks import make_case as prose_case
 
     tokenizer = demo_pair[2]
-    code = demo_case(tokenizer, 43, "passkey", 1200).messages  # a Python file
+    code = demo_case(tokenizer, 43, "passkey", 2200).messages  # a Python file
     prose = [{"role": "user", "content": tokenizer.decode(
-        prose_case(tokenizer, "passkey", 1200, 1).ids[4:])}]
+        prose_case(tokenizer, "passkey", 2200, 1).ids[4:])}]
     with Engine(model=str(DEMO_TARGET), draft=str(random_draft)) as engine:
         check = engine._worker.runtime.vouch
     found = [0.01] * vouch.QUESTIONS  # the draft holds every answer the target does
@@ -215,3 +215,38 @@ def test_the_kind_of_content_is_code_where_a_file_sits_among_long_prose(demo_pai
     code = tokenizer.decode(code_tasks.make_case(tokenizer, "code_return", 900, 1).ids)
     assert content_kind(prose) == "prose" and content_kind(code) == "code"
     assert content_kind(prose + "\n" + code) == "code"  # an agent's read file, say
+
+
+def test_a_prompt_shorter_than_the_probe_is_not_vouched_for(fresh_cache_dir, random_draft,
+                                                            demo_pair):
+    """The probe vouches from its file's length up: a vouched pair's policy declines a
+    prose prompt shorter than the probe's 2,048 tokens and says why, and engages on a
+    longer one. (On the real pair, CPU, the default engaged on 1.5K-token prose and lost
+    3 of 5 answers dense gave, at 3955275.)"""
+    from specprefill_engine.prose_tasks import make_case as prose_case
+
+    tokenizer = demo_pair[2]
+
+    def prose(length):
+        return [{"role": "user", "content": tokenizer.decode(
+            prose_case(tokenizer, "passkey", length, 2).ids[4:])}]
+
+    with Engine(model=str(DEMO_TARGET), draft=str(random_draft)) as engine:
+        check = engine._worker.runtime.vouch
+    found = [0.01] * vouch.QUESTIONS
+    check.path.parent.mkdir(parents=True, exist_ok=True)
+    check.path.write_text(json.dumps({
+        "version": vouch.VERSION, "key": check.key, "measured_at": 0,
+        "probe": {"target": found, "draft": found, "target_s": 1.0, "draft_s": 1.0,
+                  "length": 2048, "code_answers": [[True, True]] * 3}}))
+    with Engine(model=str(DEMO_TARGET), draft=str(random_draft)) as engine:
+        assert engine.info.draft.vouched is True
+        short = engine.generate_sync(prose(1500), max_tokens=2, cache_prompt=False).specprefill
+        long = engine.generate_sync(prose(2400), max_tokens=2, cache_prompt=False).specprefill
+        given = engine.generate_sync(prose(1500), max_tokens=2, cache_prompt=False,
+                                     keep=0.3).specprefill
+    assert not short.engaged and short.reason.startswith(
+        "policy: draft not vouched for: a prompt of "), short.reason
+    assert "shorter than the probe's 2048" in short.reason
+    assert long.engaged, long.reason
+    assert given.engaged, given.reason  # a keep given: the user's choice, as before

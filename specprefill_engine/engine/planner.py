@@ -79,7 +79,7 @@ def not_vouched(state: RequestState, runtime: Runtime) -> str:
         return ""
     if check.pending:
         check.run(runtime.model, runtime.scorer.model, runtime.tokenizer)
-    verdict = check.verdict(state.keep, prompt_kind(state, runtime))
+    verdict = check.verdict(state.keep, prompt_kind(state, runtime), int(state.tokens.size))
     return "" if verdict.vouched is not False else f"policy: draft not vouched for: {verdict.reason}"
 
 

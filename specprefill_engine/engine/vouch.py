@@ -39,6 +39,11 @@ selection at the engine's keep, and the policy
 engages on code only where the target answers every one it answers dense (at least
 `CONCLUSIVE` of them): the answers themselves, not the tokens held.
 
+The probe vouches from its file's length up: at a given keep a shorter prompt's
+selection keeps fewer tokens than the probe's did, and on the real pair prose of 1.5K
+tokens lost answers at keep 0.3 that the 2,048-token probe's verdict did not foresee, so
+the policy declines prompts shorter than the probe's file.
+
 The questions share their file, so each model prefills it once and then only each
 question. The measurement is persisted per (target, draft, scoring and selection
 settings) in `cache_dir()/draft-checks`, keyed by both models' identity (their files and
@@ -294,8 +299,10 @@ class DraftCheck:
         """The probe has yet to run."""
         return self.fixed is None and self.probe is None and not self.failed
 
-    def verdict(self, keep: float, kind: str = "prose") -> DraftVerdict:
-        """The verdict at `keep` for prompts of `kind` (`core/kinds.py`)."""
+    def verdict(self, keep: float, kind: str = "prose", tokens: Optional[int] = None) -> DraftVerdict:
+        """The verdict at `keep` for prompts of `kind` (`core/kinds.py`) and, given, of
+        `tokens`: the probe vouches from its file's length up, and a shorter prompt, whose
+        selection keeps fewer tokens than the probe's did, is not vouched for."""
         if self.fixed is not None:
             return self.fixed
         if self.failed:
@@ -304,7 +311,12 @@ class DraftCheck:
             return DraftVerdict(None, "not probed yet: the probe runs on the first prompt "
                                       "the automatic policy would engage on")
         verdict = judge(self.probe, keep)
-        return judge_code(self.probe, verdict) if kind == "code" else verdict
+        if kind == "code":
+            verdict = judge_code(self.probe, verdict)
+        if verdict.vouched and tokens is not None and tokens < self.probe.length:
+            return DraftVerdict(False, f"a prompt of {tokens} tokens, shorter than the probe's "
+                                       f"{self.probe.length} from which it vouches", self.probe)
+        return verdict
 
     def run(self, target, draft, tokenizer) -> None:
         """Measure (on the worker), persist, and say what it found; a failure leaves no
