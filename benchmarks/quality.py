@@ -266,10 +266,11 @@ READ_FILE = {"type": "function", "function": {
                    "required": ["path"]}}}
 
 
-def as_tool_result(tokenizer, case) -> Rendered:
-    """The case's prompt with its document as the result of a `read_file` call, rendered
-    as the engine renders a server's messages (so it protects what it protects there):
-    the question in the user's message, the reply opening with the answer's opening."""
+def placed(tokenizer, case, placement: str) -> Rendered:
+    """The case's prompt as chat messages, rendered as the engine renders a server's (so
+    it protects what it protects there), the reply opening with the answer's opening:
+    `user`, the document and the question in one user message; `tool`, the question in
+    the user's message and the document as the result of a `read_file` call."""
     marker = "\x00"
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
                                              tokenize=False, add_generation_prompt=True)
@@ -280,6 +281,9 @@ def as_tool_result(tokenizer, case) -> Rendered:
     document, question = text[:at].rsplit("\n\n", 1)
     document = document.removeprefix("```python\n").removesuffix("```")
     path = "records.py" if case.kind in code_tasks.KINDS else "notes.txt"
+    if placement == "user":
+        return with_opening(tokenizer, render_chat(tokenizer, [
+            {"role": "user", "content": text[:at]}]), opening)
     messages = [
         {"role": "system", "content": AGENT_SYSTEM},
         {"role": "user", "content": f"{question} It is in {path}."},
@@ -288,11 +292,16 @@ def as_tool_result(tokenizer, case) -> Rendered:
             "function": {"name": "read_file", "arguments": {"path": path}}}]},
         {"role": "tool", "tool_call_id": "call_0", "name": "read_file", "content": document},
     ]
-    chat = render_chat(tokenizer, messages, tools=[READ_FILE])
+    return with_opening(tokenizer, render_chat(tokenizer, messages, tools=[READ_FILE]), opening)
+
+
+def with_opening(tokenizer, chat: Rendered, opening: str) -> Rendered:
+    """`chat` with the reply's opening after its generation prompt, kept."""
     ids = np.asarray(tokenizer.encode(opening, add_special_tokens=False), dtype=np.int32)
+    protected = np.zeros(chat.tokens.size, bool) if chat.protected is None else chat.protected
     return dataclasses.replace(chat, text=chat.text + opening,
                                tokens=np.concatenate([chat.tokens, ids]),
-                               protected=np.concatenate([chat.protected, np.ones(ids.size, bool)]))
+                               protected=np.concatenate([protected, np.ones(ids.size, bool)]))
 
 
 def engine_run(args) -> None:
@@ -305,7 +314,7 @@ def engine_run(args) -> None:
             for path in [out, *args.done] for r in map(json.loads, Path(path).read_text().splitlines())}
     target, draft = (str(load_folder(name, args.folder, path_only=True))
                      for name in (args.model[0], args.draft))
-    keep, started = args.keeps[-1], time.perf_counter()
+    keep, started = args.keeps[0], time.perf_counter()
     with Engine(model=target, draft=draft) as engine:
         tokenizer = engine.tokenizer
         for seed in range(args.repeats):
@@ -318,17 +327,17 @@ def engine_run(args) -> None:
                             continue
                         if args.until and time.perf_counter() - started > args.until:
                             return
-                        ids = case.ids if placement == "user" else as_tool_result(tokenizer, case)
+                        prompt = placed(tokenizer, case, placement)
                         row = {"model": args.model[0], "draft_model": args.draft, "kind": kind,
                                "length": length, "seed": seed, "placement": placement,
-                               "tokens": len(ids if placement == "user" else ids.tokens),
+                               "tokens": int(prompt.tokens.size),
                                "device": str(mx.default_device())}
                         runs = {"default": {},
                                 "dense": {"specprefill": False, "cache_prompt": False},
                                 "forced": {"specprefill": True, "keep": keep,
                                            "cache_prompt": False}}
                         for method, options in runs.items():
-                            result = engine.generate_sync(ids, max_tokens=case.max_tokens,
+                            result = engine.generate_sync(prompt, max_tokens=case.max_tokens,
                                                           temperature=0.0, **options)
                             report = result.specprefill
                             row[method] = is_right(case, result.text)
@@ -586,6 +595,8 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", help="with --table: draw accuracy retained against keep")
     args = parser.parse_args(argv)
     args.keeps = args.keeps or ([0.3] if args.engine else [0.1, 0.2, 0.3])
+    if args.engine and (args.model is None or len(args.keeps) != 1):
+        parser.error("--engine needs --model, --draft and one keep (--keeps K)")
     if args.model is None and args.table is None:
         if args.kinds and not set(args.kinds) <= set(DEMO_KINDS):
             parser.error(f"the demo pair's kinds are {list(DEMO_KINDS)}")

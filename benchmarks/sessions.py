@@ -93,8 +93,9 @@ WORDS = ("tariff margin parcel rebate quota beacon cargo depot freight harbor in
 CALL_TOKENS = 64  # max_tokens at least, where a call is required (a cut call is no call)
 BLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
         "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3")
-# the 4xx a valid request may get: it alone exceeds the server's memory or context
-BUDGET_ERRORS = re.compile(r"memory_budget_exceeded|context|too long|maximum", re.I)
+# the 4xx a valid request may get: it alone exceeds the server's KV memory or the
+# model's context (serve's messages; the Anthropic shape carries no code)
+BUDGET_ERRORS = re.compile(r"GB of KV memory|the model's context|fit the context of")
 SMALL = dict(system_tokens=600, tool_result_tokens=[60, 300], reply_tokens=[16, 48], turns=3,
              tool_seconds=0.2, stagger=0.3)
 DEFAULTS = dict(system_tokens=16000, tool_result_tokens=[200, 10000], reply_tokens=[50, 500],
@@ -109,7 +110,11 @@ def is_clear_4xx(status: int, raw: str) -> bool:
         error = json.loads(raw)
     except ValueError:
         return False
-    return 400 <= status < 500 and "error" in error and bool(BUDGET_ERRORS.search(raw))
+    detail = error.get("error") if isinstance(error, dict) else None
+    if not (400 <= status < 500 and isinstance(detail, dict)):
+        return False
+    return detail.get("code") == "memory_budget_exceeded" or \
+        bool(BUDGET_ERRORS.search(str(detail.get("message", ""))))
 
 
 # --- the sessions' traffic ------------------------------------------------------------

@@ -116,10 +116,15 @@ def test_the_checks_catch_broken_replies(text, calls, done, expected):
 def test_a_4xx_is_clear_only_where_the_request_exceeds_a_budget():
     """The replay sends valid requests: a 400 from an internal error (an llguidance that
     took one end token answered every tool request so) is a failure, not a clear 4xx."""
-    budget = json.dumps({"error": {"message": "the request needs 3.1 GB of KV",
+    budget = json.dumps({"error": {"message": "this request needs 3.100 GB of KV memory",
                                    "code": "memory_budget_exceeded"}})
+    anthropic = json.dumps({"type": "error", "error": {
+        "type": "invalid_request_error", "message": "this request needs 3.100 GB of KV memory"}})
+    context = json.dumps({"error": {"message": "2048 + max_tokens must fit the context of 2048"}})
     internal = json.dumps({"error": {"message": "argument 'eos_token': 'list' object "
                                      "cannot be interpreted as an integer"}})
-    assert sessions.is_clear_4xx(400, budget)
+    assert sessions.is_clear_4xx(400, budget) and sessions.is_clear_4xx(400, anthropic)
+    assert sessions.is_clear_4xx(400, context)
     assert not sessions.is_clear_4xx(400, internal)
     assert not sessions.is_clear_4xx(500, budget) and not sessions.is_clear_4xx(400, "oops")
+    assert not sessions.is_clear_4xx(400, "null")

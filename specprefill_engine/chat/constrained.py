@@ -652,8 +652,9 @@ def llg_tokenizer(tokenizer):
         backend.no_truncation()
         try:
             built = llguidance.LLTokenizer(backend.to_str(), eos_token=eos)
-        except TypeError:  # an llguidance that takes one end token: the model's first
-            built = llguidance.LLTokenizer(backend.to_str(), eos_token=eos[0])
+        except TypeError:  # an llguidance that takes one end token: the tokenizer's own
+            one = hf.eos_token_id if hf.eos_token_id in eos else eos[0]
+            built = llguidance.LLTokenizer(backend.to_str(), eos_token=one)
         _llg_tokenizers[tokenizer] = built
         return built
 

@@ -301,8 +301,9 @@ class DraftCheck:
 
     def verdict(self, keep: float, kind: str = "prose", tokens: Optional[int] = None) -> DraftVerdict:
         """The verdict at `keep` for prompts of `kind` (`core/kinds.py`) and, given, of
-        `tokens`: the probe vouches from its file's length up, and a shorter prompt, whose
-        selection keeps fewer tokens than the probe's did, is not vouched for."""
+        `tokens`: the probe vouches from its file's length up (code: from the answers'
+        file's too), and a shorter prompt, whose selection keeps fewer tokens than the
+        probe's did, is not vouched for."""
         if self.fixed is not None:
             return self.fixed
         if self.failed:
@@ -313,9 +314,10 @@ class DraftCheck:
         verdict = judge(self.probe, keep)
         if kind == "code":
             verdict = judge_code(self.probe, verdict)
-        if verdict.vouched and tokens is not None and tokens < self.probe.length:
+        length = max(self.probe.length, ANSWER_LENGTH) if kind == "code" else self.probe.length
+        if verdict.vouched and tokens is not None and tokens < length:
             return DraftVerdict(False, f"a prompt of {tokens} tokens, shorter than the probe's "
-                                       f"{self.probe.length} from which it vouches", self.probe)
+                                       f"{length} from which it vouches", self.probe)
         return verdict
 
     def run(self, target, draft, tokenizer) -> None:
