@@ -401,10 +401,12 @@ def cmd_serve(args) -> int:
 
 
 def serve_settings(args) -> dict:
-    """The engine settings serve's own flags give (the rest: the engine's defaults)."""
-    return {name: getattr(args, name) for name in
+    """The engine settings serve's own flags give (the rest: the engine's defaults). A
+    server probes its draft as it starts, before its port accepts: the probe runs on the
+    worker, and lazily every session's first request would wait behind it."""
+    return {"draft_check": "load", **{name: getattr(args, name) for name in
             ("max_batch_size", "prefix_cache_bytes", "draft_prefix_cache_bytes")
-            if getattr(args, name, None) is not None}
+            if getattr(args, name, None) is not None}}
 
 
 def server_default(name: str):

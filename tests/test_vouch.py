@@ -250,3 +250,16 @@ def test_a_prompt_shorter_than_the_probe_is_not_vouched_for(fresh_cache_dir, ran
     assert "shorter than the probe's 2048" in short.reason
     assert long.engaged, long.reason
     assert given.engaged, given.reason  # a keep given: the user's choice, as before
+
+
+def test_serve_probes_the_draft_while_it_starts(fresh_cache_dir, random_draft):
+    """`serve` probes its draft as the engine starts, before the port accepts, so no
+    session's first request waits behind the probe on the worker (lazily, the first
+    request the policy would engage on runs it while every other request waits)."""
+    from specprefill_engine.cli import make_engine, parser, serve_settings
+
+    args = parser().parse_args(["serve", "--model", str(DEMO_TARGET), "--draft",
+                                str(random_draft)])
+    with make_engine(args, **serve_settings(args)) as engine:
+        assert engine.info.draft.vouched is not None, engine.info.draft.reason
+        assert list((fresh_cache_dir / vouch.FOLDER).glob("*.json"))  # measured and kept
