@@ -93,6 +93,7 @@ WORDS = ("tariff margin parcel rebate quota beacon cargo depot freight harbor in
 CALL_TOKENS = 64  # max_tokens at least, where a call is required (a cut call is no call)
 BLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
         "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3")
+START_SECONDS = 900  # a server's start: loading, and serve's draft check on a new pair
 # the 4xx a valid request may get: it alone exceeds the server's KV memory or the
 # model's context (serve's messages; the Anthropic shape carries no code)
 BUDGET_ERRORS = re.compile(r"GB of KV memory|the model's context|fit the context of")
@@ -670,7 +671,7 @@ class Server:
             self.process = subprocess.Popen(command, env=env, stdout=log,
                                             stderr=subprocess.STDOUT, cwd=self.dir)
         self.url, self.peak, self.stop_sampling = f"http://127.0.0.1:{self.port}", 0, False
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + START_SECONDS
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{name} exited: {self.log.read_text()[-2000:]}")
@@ -681,7 +682,7 @@ class Server:
                 pass
             if time.monotonic() > deadline:
                 self.close()
-                raise RuntimeError(f"{name} did not start in 120 s")
+                raise RuntimeError(f"{name} did not start in {START_SECONDS} s")
             time.sleep(0.2)
         self.model = "default_model" if name == "mlx-lm" else \
             httpx.get(self.url + "/v1/models", timeout=5).json()["data"][0]["id"]
