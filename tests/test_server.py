@@ -667,3 +667,23 @@ def test_one_greedy_request_answers_alike_through_every_api(fresh_cache_dir):
         served.stop()
     assert texts == [direct.text] * 4, texts
     assert kept == [direct.specprefill.kept_tokens]
+
+
+def test_a_librarys_value_or_type_error_is_the_servers_500_and_a_check_is_a_400():
+    """A request the engine's checks refuse is a 400 naming the parameter; a ValueError or
+    TypeError a library raises inside the server is its own failure, a 500 (an llguidance
+    that took one end token answered every tool request with a 400 the client could not
+    fix, and clients and the replay took it for their own fault)."""
+    from specprefill_engine.engine.options import RequestOptions
+    from specprefill_server.errors import classify
+
+    try:
+        RequestOptions(keep=2.0)
+    except ValueError as error:
+        check = classify(error, ("keep",))
+    try:
+        json.loads(5)
+    except TypeError as error:
+        library = classify(error)
+    assert check.status == 400 and check.param == "keep"
+    assert library.status == 500 and "TypeError" in library.message

@@ -9,8 +9,10 @@ cannot serve. `classify` turns whatever a request raised into an `APIError`.
 import logging
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
+import specprefill_engine
 from specprefill_engine.engine import EngineFailedError, MemoryBudgetError, RequestFailedError
 
 logger = logging.getLogger(__name__)
@@ -27,6 +29,8 @@ KINDS = {
     503: ("server_error", "overloaded_error"),
 }
 _LEADING_NAME = re.compile(r"([a-z_]+)\b")
+# the project's own code: a ValueError or TypeError raised there is one of its checks
+OWN_CODE = (str(Path(specprefill_engine.__file__).parent), str(Path(__file__).parent))
 
 
 @dataclass
@@ -47,8 +51,8 @@ def classify(error: BaseException, fields=()) -> APIError:
         return error
     if isinstance(error, MemoryBudgetError):  # the request alone exceeds the KV budget
         return APIError(400, str(error), code="memory_budget_exceeded")
-    if isinstance(error, (ValueError, TypeError)):  # the engine's checks name the parameter
-        match = _LEADING_NAME.match(str(error))
+    if isinstance(error, (ValueError, TypeError)) and raised_by_a_check(error):
+        match = _LEADING_NAME.match(str(error))  # the engine's checks name the parameter
         param = match.group(1) if match and match.group(1) in fields else None
         return APIError(400, str(error), param)
     if isinstance(error, EngineFailedError):
@@ -59,6 +63,15 @@ def classify(error: BaseException, fields=()) -> APIError:
         return APIError(503, "the engine is shut down", code="engine_shut_down")
     logger.exception("request failed", exc_info=error)
     return APIError(500, f"internal error: {type(error).__name__}: {error}")
+
+
+def raised_by_a_check(error: BaseException) -> bool:
+    """Whether the project's own code raised `error` (a check of the request: a 400), not
+    a library it called (a failure of the server's: a 500, never the client's fault)."""
+    frame, innermost = error.__traceback__, None
+    while frame is not None:
+        innermost, frame = frame.tb_frame.f_code.co_filename, frame.tb_next
+    return innermost is None or innermost.startswith(OWN_CODE)
 
 
 def openai_body(error: APIError) -> dict:
