@@ -74,7 +74,7 @@ from specprefill_engine.engine.words import TokenWords
 from specprefill_engine.loading import (
     DEMO_DRAFT, DEMO_TARGET, check_same_tokenizer, default_dtype, load_model,
 )
-from specprefill_engine.prose_tasks import is_right, words
+from specprefill_engine.prose_tasks import is_right, layout, words
 
 from common import add_run_arguments, run_vllm_mlx, write_json
 
@@ -271,10 +271,7 @@ def placed(tokenizer, case, placement: str) -> Rendered:
     it protects what it protects there), the reply opening with the answer's opening:
     `user`, the document and the question in one user message; `tool`, the question in
     the user's message and the document as the result of a `read_file` call."""
-    marker = "\x00"
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
-                                             tokenize=False, add_generation_prompt=True)
-    template_tail = rendered.split(marker)[1]
+    template_tail = layout(tokenizer, "", "")[1].removeprefix("\n\n")  # the case's own
     text = tokenizer.decode(case.ids[case.head:])
     at = text.rindex(template_tail)
     opening = text[at + len(template_tail):]
@@ -311,7 +308,8 @@ def engine_run(args) -> None:
     out = Path(args.json)
     out.touch()
     done = {(r["model"], r["kind"], r["length"], r["seed"], r["placement"])
-            for path in [out, *args.done] for r in map(json.loads, Path(path).read_text().splitlines())}
+            for path in [out, *args.done]
+            for r in map(json.loads, Path(path).read_text().splitlines())}
     target, draft = (str(load_folder(name, args.folder, path_only=True))
                      for name in (args.model[0], args.draft))
     keep, started = args.keeps[0], time.perf_counter()
@@ -349,9 +347,10 @@ def engine_run(args) -> None:
                         row["forced_keep"] = keep
                         with out.open("a") as f:
                             f.write(json.dumps(row) + "\n")
+                        chose = "engaged" if row["default_engaged"] else "declined"
                         print(f"{kind} {length} seed {seed} {placement}: dense {row['dense']} "
-                              f"default {row['default']} ({'engaged' if row['default_engaged'] else 'declined'}) "
-                              f"forced {row['forced']}", file=sys.stderr, flush=True)
+                              f"default {row['default']} ({chose}) forced {row['forced']}",
+                              file=sys.stderr, flush=True)
 
 
 def engine_table(rows: list) -> str:
@@ -529,7 +528,8 @@ def real_main(parser, args) -> int:
             parser.error("--json is needed to run the grid")
         (engine_run if args.engine else real_run)(args)
         args.table = [args.json]
-    rows = [json.loads(line) for path in args.table for line in Path(path).read_text().splitlines()]
+    rows = [json.loads(line) for path in args.table
+            for line in Path(path).read_text().splitlines()]
     if rows and "placement" in rows[0]:
         print(engine_table(rows))
         return 0
