@@ -354,22 +354,24 @@ def engine_run(args) -> None:
 
 
 def engine_table(rows: list) -> str:
-    """Per content kind and placement: dense's right answers, and what the default and
-    the forced rows held of them."""
+    """Per length, content kind and placement: dense's right answers, and each other row's right
+    answers and what it held of dense's (the same cases right)."""
     cells = {}
     for r in rows:
         group = "code" if r["kind"] in code_tasks.KINDS else "prose"
-        cells.setdefault((r["model"], group, r["placement"]), []).append(r)
-    lines = ["| model | content | placement | n | dense right | default: engaged, held "
-             "| forced keep: held |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for (model, group, placement), cell in sorted(cells.items()):
-        right = [r for r in cell if r["dense"]]
-        held = {m: sum(r[m] for r in right) for m in ("default", "forced")}
+        cells.setdefault((r["model"], r["length"], group, r["placement"]), []).append(r)
+    lines = ["| model | length | content | placement | n | dense right | default: engaged; "
+             "right; held | forced keep: right; held |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (model, length, group, placement), cell in sorted(cells.items()):
+        dense = sum(r["dense"] for r in cell)
+        right = {m: sum(r[m] for r in cell) for m in ("default", "forced")}
+        held = {m: sum(r[m] for r in cell if r["dense"]) for m in ("default", "forced")}
         engaged = sum(r["default_engaged"] for r in cell)
         keep = cell[0]["forced_keep"]
-        lines.append(f"| {model} | {group} | {placement} | {len(cell)} | {len(right)} | "
-                     f"{engaged} of {len(cell)}; {held['default']} of {len(right)} | "
-                     f"{keep}: {held['forced']} of {len(right)} |")
+        lines.append(f"| {model} | {length} | {group} | {placement} | {len(cell)} | {dense} | "
+                     f"{engaged} of {len(cell)}; {right['default']}; {held['default']} of "
+                     f"{dense} | {keep}: {right['forced']}; {held['forced']} of {dense} |")
     return "\n".join(lines)
 
 

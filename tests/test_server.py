@@ -687,3 +687,17 @@ def test_a_librarys_value_or_type_error_is_the_servers_500_and_a_check_is_a_400(
         library = classify(error)
     assert check.status == 400 and check.param == "keep"
     assert library.status == 500 and "TypeError" in library.message
+
+
+def test_a_request_the_device_ran_out_of_memory_for_is_a_retryable_503():
+    """A forward that ran out of device memory (32 agent sessions on an H100) failed its
+    request as a 500 api_error, which clients do not take for a passing overload."""
+    from specprefill_server.errors import anthropic_body, classify
+
+    from specprefill_engine.engine import RequestFailedError
+
+    error = classify(RequestFailedError("request 'msg_1' failed: RuntimeError('cudaMallocAsync"
+                                        "(&data, size, stream) failed: out of memory')"))
+    assert error.status == 503 and error.code == "out_of_memory"
+    assert anthropic_body(error)["error"]["type"] == "overloaded_error"
+    assert "--kv-cache-gb" in error.message

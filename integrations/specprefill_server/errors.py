@@ -3,7 +3,7 @@
 OpenAI: `{"error": {"message", "type", "param", "code"}}`; Anthropic: `{"type": "error",
 "error": {"type", "message"}}`. Statuses follow both references: 400 bad request, 401
 bad key, 404, 413 body too large, 429 overload, 500 a failed request, 503 the engine
-cannot serve. `classify` turns whatever a request raised into an `APIError`.
+cannot serve or the device ran out of memory (both retryable). `classify` turns whatever a request raised into an `APIError`.
 """
 
 import logging
@@ -57,6 +57,9 @@ def classify(error: BaseException, fields=()) -> APIError:
         return APIError(400, str(error), param)
     if isinstance(error, EngineFailedError):
         return APIError(503, f"the engine cannot serve requests: {error}", code="engine_failed")
+    if isinstance(error, RequestFailedError) and "out of memory" in str(error).lower():
+        return APIError(503, f"{error}: the device ran out of memory under this load; retry, "
+                        "or give serve a smaller --kv-cache-gb", code="out_of_memory")
     if isinstance(error, RequestFailedError):
         return APIError(500, str(error), code="request_failed")
     if isinstance(error, RuntimeError) and "shut down" in str(error):

@@ -3,7 +3,7 @@
 By default it is what the device can hold, less the weights: on Apple silicon MLX's
 recommended working set (what Metal keeps resident without paging; past it a long
 prompt's KV is what panics a 16-32 GB Mac), on CUDA the device's memory, on a CPU the
-free RAM when the engine starts; `HEADROOM` of it is left for what a forward computes
+free RAM when the engine starts, each within MLX's memory limit (`mx.set_memory_limit`); `HEADROOM` of it is left for what a forward computes
 (a prefill chunk's activations) and MLX's buffer cache. `kv_cache_bytes` sets it.
 
 Each request reserves at admission what it can come to hold: its target KV for the
@@ -53,15 +53,22 @@ def free_ram() -> int:
 
 
 def device_memory() -> tuple[int, str]:
-    """(bytes, what they are) the device can hold."""
+    """(bytes, what they are) the device can hold, within MLX's memory limit: past it
+    MLX's allocator gives its buffer cache back and then fails (CUDA) or pages."""
     if mx.default_device() == mx.gpu:
         info = mx.device_info()
         if mx.metal.is_available():
-            return int(info["max_recommended_working_set_size"]), "Metal's recommended working set"
-        total = info.get("total_memory") or info.get("memory_size")
-        if total:
-            return int(total), "the GPU's memory"
-    return free_ram(), "free RAM"
+            total, what = int(info["max_recommended_working_set_size"]), \
+                "Metal's recommended working set"
+        else:
+            total, what = int(info.get("total_memory") or info.get("memory_size") or 0), \
+                "the GPU's memory"
+    else:
+        total, what = free_ram(), "free RAM"
+    limit = mx.get_memory_limit()
+    if 0 < limit < total or not total:
+        return limit, "MLX's memory limit"
+    return total, what
 
 
 def weights_bytes(*models: Optional[nn.Module]) -> int:
