@@ -6,7 +6,9 @@ prompt's KV is what panics a 16-32 GB Mac), on CUDA the device's memory, on a CP
 free RAM when the engine starts, each within MLX's memory limit (`mx.set_memory_limit`); `HEADROOM` of it is left for what a forward computes
 (a prefill chunk's activations) and MLX's buffer cache. `kv_cache_bytes` sets it.
 
-Each request reserves at admission what it can come to hold: its target KV for the
+Each request reserves at admission what it can come to hold (and, while requests decode
+in the shared batch, each row padded to the longest row's reservation, as mlx-lm's batch
+caches pad it): its target KV for the
 prompt and `max_tokens` (quantized where `kv_bits` will quantize it) and the draft's KV
 of the prompt while it scores (and of its reply where it proposes one); a SpecPrefill
 request's reservation shrinks to its kept tokens once selected, and the draft's goes
@@ -156,8 +158,9 @@ class MemoryStats:
     source: str
     device_bytes: int
     weights_bytes: int
-    held: int = 0  # every reservation and both prefix caches
+    held: int = 0  # every reservation, the batch's padding and both prefix caches
     requests: dict = field(default_factory=dict)  # request id -> {"target", "draft"} reserved
     prefix_cache: int = 0
     draft_prefix_cache: int = 0
     evicted: int = 0  # prefix-cache entries dropped to make room for a request
+    batch_padding: int = 0  # the shared decode batch's rows padded to its longest

@@ -72,6 +72,11 @@ def _same_start(tokens: np.ndarray, stored: np.ndarray, length: int = 64) -> boo
     return n > 0 and np.array_equal(tokens[:n], stored[:n])
 
 
+# the statuses of an admitted request that will decode, or decodes, in the shared batch
+BATCH_BOUND = (Status.SCORING, Status.PREFILLING, Status.LAST_CHUNK, Status.JOINING,
+               Status.DECODING)
+
+
 def _started(state: RequestState) -> Status:
     """The status of a request whose prefill the planner has decided: its draft scores
     it (or feeds it, to propose the reply) first, or the target prefills it."""
@@ -407,7 +412,7 @@ class Scheduler:
         """Each prefix cache within its own budget and, together, within what the
         running requests' reservations leave of the memory budget: the target's least
         recently used entries go first, then the draft's."""
-        room = runtime.memory.budget - self._reserved
+        room = runtime.memory.budget - self._reserved - self._padding(live, runtime)
         target, draft = caches.target, caches.draft
         draft_bytes = draft.total_bytes if draft is not None else 0
         if target is not None:
@@ -446,18 +451,33 @@ class Scheduler:
         back every entry no planned restore names."""
         pinned = {r.key for r in plan.restores} | self._pinned(live)
         kept = caches.target.pinned_bytes(pinned) if caches.target is not None else 0
-        return self._reserved + kept + need.total <= runtime.memory.budget
+        padding = self._padding(live, runtime, need.target)
+        return self._reserved + kept + need.total + padding <= runtime.memory.budget
+
+    def _padding(self, live: list, runtime: Runtime, joining: int = 0) -> int:
+        """Bytes the shared decode batch will hold beyond its rows' own KV: mlx-lm's batch
+        caches pad every row to the longest. Its rows: every admitted request but those
+        decoding alone, each at its reservation, and one of `joining` target bytes."""
+        if runtime.batch_reason:
+            return 0
+        rows = [s.reserved.target for s in live if s.status in BATCH_BOUND and not (
+            s.speculative or s.status is Status.DECODING and not s.batched)]
+        rows += [joining] if joining else []
+        return len(rows) * max(rows) - sum(rows) if len(rows) > 1 else 0
 
     def _count_memory(self, runtime: Runtime, caches: PrefixIndexes) -> None:
         """`stats()["memory"]`, a new object each turn (read from other threads)."""
         budget = runtime.memory
         target = caches.target.total_bytes if caches.target is not None else 0
         draft = caches.draft.total_bytes if caches.draft is not None else 0
+        live = self._live()
         requests = {s.id: {"target": s.reserved.target, "draft": s.reserved.draft}
-                    for s in self._live() if s.reserved.total}
+                    for s in live if s.reserved.total}
+        padding = self._padding(live, runtime)
         self.memory_stats = MemoryStats(budget.budget, budget.source, budget.device_bytes,
-                                        budget.weights_bytes, self._reserved + target + draft,
-                                        requests, target, draft, self._evicted)
+                                        budget.weights_bytes,
+                                        self._reserved + padding + target + draft, requests,
+                                        target, draft, self._evicted, padding)
 
     def _report_memory(self, state: RequestState, runtime: Runtime) -> None:
         """The KV the request holds at its end, in its report (`kv_bytes`)."""
