@@ -79,7 +79,7 @@ async def test_a_request_waits_where_the_batch_would_pad_it_past_the_budget(fres
     """mlx-lm's batch caches pad every row to the longest: two requests whose own KV fit
     the budget may not fit it side by side (32 agent sessions on an H100 ran out of GPU
     memory), so the short one waits for the long one and then answers as it does alone."""
-    budget, order, held = 40_000_000, [], []
+    budget, order, held = 26_000_000, [], []
     async with Engine(kv_cache_bytes=budget, densify="off") as engine:
         eos = list(engine.tokenizer.eos_token_ids)
         short = chat(engine.tokenizer, 7, 300)
@@ -99,13 +99,13 @@ async def test_a_request_waits_where_the_batch_would_pad_it_past_the_budget(fres
             order.append(name)
             return tokens
 
-        long = asyncio.create_task(run("long", chat(engine.tokenizer, 8, 3000), 200,
+        long = asyncio.create_task(run("long", chat(engine.tokenizer, 8, 2000), 100,
                                        logits_processors=[no_end]))
         while not order:
             await asyncio.sleep(0.01)
         beside = await run("short", short, 8)
         await long
-    # own KV: 3200 and 308 entries of 8 KB fit 40 MB (29 MB); padded to the longest, 52 MB
+    # own KV: 2100 and 308 entries of 8 KB fit 26 MB (20 MB); padded to the longest, 34 MB
     assert order == ["long started", "long", "short"]
     assert beside == alone.token_ids
     assert held and all(m.held <= budget for m in held)
