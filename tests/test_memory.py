@@ -75,37 +75,36 @@ async def test_a_request_beyond_the_budget_is_refused_while_a_concurrent_one_com
     assert after.token_ids == alone.token_ids[:8]
 
 
-async def test_a_request_waits_where_the_batch_would_pad_it_past_the_budget(fresh_cache_dir):
+@pytest.mark.parametrize("draft_tokens", [0, 3], ids=["batched", "speculative"])
+async def test_a_request_waits_where_the_batch_would_pad_it_past_the_budget(
+        fresh_cache_dir, draft_tokens):
     """mlx-lm's batch caches pad every row to the longest: two requests whose own KV fit
     the budget may not fit it side by side (32 agent sessions on an H100 ran out of GPU
-    memory), so the short one waits for the long one and then answers as it does alone."""
+    memory), so the short one waits for the long one and then answers as it does alone.
+    A long one decoding alone with its draft would join the batch when the short one did."""
     budget, order, held = 26_000_000, [], []
-    async with Engine(kv_cache_bytes=budget, densify="off") as engine:
-        eos = list(engine.tokenizer.eos_token_ids)
+    async with Engine(kv_cache_bytes=budget, densify="off",
+                      num_draft_tokens=draft_tokens) as engine:
         short = chat(engine.tokenizer, 7, 300)
         alone = await engine.generate(short, max_tokens=8, specprefill=False)
 
-        def no_end(tokens, logits):  # the long reply runs to max_tokens; memory seen mid-decode
-            held.append(engine.stats()["memory"])
-            return logits.at[..., eos].add(-1e9)
-
-        async def run(name, prompt, max_tokens, **options):
+        async def run(name, prompt, max_tokens):
             tokens = []
             async for chunk in engine.stream(prompt, max_tokens=max_tokens, specprefill=False,
-                                             cache_prompt=False, **options):
+                                             cache_prompt=False, ignore_eos=name == "long"):
                 tokens += chunk.token_ids
+                held.append(engine.stats()["memory"])
                 if name == "long" and not order:
                     order.append("long started")
             order.append(name)
             return tokens
 
-        long = asyncio.create_task(run("long", chat(engine.tokenizer, 8, 2000), 100,
-                                       logits_processors=[no_end]))
+        long = asyncio.create_task(run("long", chat(engine.tokenizer, 8, 2000), 60))
         while not order:
             await asyncio.sleep(0.01)
         beside = await run("short", short, 8)
         await long
-    # own KV: 2100 and 308 entries of 8 KB fit 26 MB (20 MB); padded to the longest, 34 MB
+    # own KV: 2060 and 308 entries of 8 KB fit 26 MB (19 MB); padded to the longest, 34 MB
     assert order == ["long started", "long", "short"]
     assert beside == alone.token_ids
     assert held and all(m.held <= budget for m in held)

@@ -698,6 +698,10 @@ def test_a_request_the_device_ran_out_of_memory_for_is_a_retryable_503():
 
     error = classify(RequestFailedError("request 'msg_1' failed: RuntimeError('cudaMallocAsync"
                                         "(&data, size, stream) failed: out of memory')"))
+    metal = classify(RequestFailedError("request 'r' failed: RuntimeError('[METAL] Command "
+                                        "buffer execution failed: Insufficient Memory')"))
+    other = classify(RequestFailedError("request 'r' failed: RuntimeError('boom')"))
     assert error.status == 503 and error.code == "out_of_memory"
     assert anthropic_body(error)["error"]["type"] == "overloaded_error"
     assert "--kv-cache-gb" in error.message
+    assert metal.status == 503 and other.status == 500

@@ -3,7 +3,8 @@
 OpenAI: `{"error": {"message", "type", "param", "code"}}`; Anthropic: `{"type": "error",
 "error": {"type", "message"}}`. Statuses follow both references: 400 bad request, 401
 bad key, 404, 413 body too large, 429 overload, 500 a failed request, 503 the engine
-cannot serve or the device ran out of memory (both retryable). `classify` turns whatever a request raised into an `APIError`.
+cannot serve or the device ran out of memory (both retryable). `classify` turns whatever
+a request raised into an `APIError`.
 """
 
 import logging
@@ -57,7 +58,7 @@ def classify(error: BaseException, fields=()) -> APIError:
         return APIError(400, str(error), param)
     if isinstance(error, EngineFailedError):
         return APIError(503, f"the engine cannot serve requests: {error}", code="engine_failed")
-    if isinstance(error, RequestFailedError) and "out of memory" in str(error).lower():
+    if isinstance(error, RequestFailedError) and out_of_memory(error):
         return APIError(503, f"{error}: the device ran out of memory under this load; retry, "
                         "or give serve a smaller --kv-cache-gb", code="out_of_memory")
     if isinstance(error, RequestFailedError):
@@ -66,6 +67,13 @@ def classify(error: BaseException, fields=()) -> APIError:
         return APIError(503, "the engine is shut down", code="engine_shut_down")
     logger.exception("request failed", exc_info=error)
     return APIError(500, f"internal error: {type(error).__name__}: {error}")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether a request failed for want of device memory (CUDA, Metal or host)."""
+    text = str(error).lower().replace(" ", "")
+    return isinstance(error.__cause__, MemoryError) or any(
+        sign in text for sign in ("outofmemory", "insufficientmemory", "bad_alloc"))
 
 
 def raised_by_a_check(error: BaseException) -> bool:

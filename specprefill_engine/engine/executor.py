@@ -149,8 +149,8 @@ class Executor:
         if clear:  # after this plan's restores, which name entries every rank holds
             self.prefix.clear()
         outcome.cleared = clear
-        if outcome.failed:  # most often memory: the buffers MLX keeps for reuse go back
-            mx.clear_cache()
+        if outcome.failed:  # most often memory: MLX's buffers kept for reuse go back (a
+            mx.clear_cache()  # failed forward's own arrays go once its error is dropped)
         return outcome
 
     def _guard(self, outcome: TurnOutcome, handle: int, work, *args) -> None:

@@ -3,19 +3,20 @@
 By default it is what the device can hold, less the weights: on Apple silicon MLX's
 recommended working set (what Metal keeps resident without paging; past it a long
 prompt's KV is what panics a 16-32 GB Mac), on CUDA the device's memory, on a CPU the
-free RAM when the engine starts, each within MLX's memory limit (`mx.set_memory_limit`); `HEADROOM` of it is left for what a forward computes
-(a prefill chunk's activations) and MLX's buffer cache. `kv_cache_bytes` sets it.
+free RAM when the engine starts, each within MLX's memory limit (`mx.set_memory_limit`);
+`HEADROOM` of it is left for what a forward computes (a prefill chunk's activations)
+and MLX's buffer cache. `kv_cache_bytes` sets it.
 
-Each request reserves at admission what it can come to hold (and, while requests decode
-in the shared batch, each row padded to the longest row's reservation, as mlx-lm's batch
-caches pad it): its target KV for the
+Each request reserves at admission what it can come to hold: its target KV for the
 prompt and `max_tokens` (quantized where `kv_bits` will quantize it) and the draft's KV
 of the prompt while it scores (and of its reply where it proposes one); a SpecPrefill
 request's reservation shrinks to its kept tokens once selected, and the draft's goes
-when scoring ends. The prefix caches give memory back first: their least recently
-used entries are dropped to make room. A request that cannot fit even alone (more
-than the whole budget) is refused before anything is allocated, with
-`MemoryBudgetError`; one that fits once others finish waits in the queue.
+when scoring ends. Requests that decode in the shared batch also hold its padding:
+mlx-lm's batch caches pad every row to the longest. The prefix caches give memory back
+first: their least recently used entries are dropped to make room. A request that
+cannot fit even alone (more than the whole budget) is refused before anything is
+allocated, with `MemoryBudgetError`; one that fits once others finish waits in the
+queue.
 """
 
 import logging
@@ -55,8 +56,8 @@ def free_ram() -> int:
 
 
 def device_memory() -> tuple[int, str]:
-    """(bytes, what they are) the device can hold, within MLX's memory limit: past it
-    MLX's allocator gives its buffer cache back and then fails (CUDA) or pages."""
+    """(bytes, what they are) the device can hold, within MLX's memory limit (past it MLX
+    gives its buffer cache back; past the device, allocations fail on CUDA or page)."""
     if mx.default_device() == mx.gpu:
         info = mx.device_info()
         if mx.metal.is_available():
@@ -67,8 +68,10 @@ def device_memory() -> tuple[int, str]:
                 "the GPU's memory"
     else:
         total, what = free_ram(), "free RAM"
+    if not total:
+        total, what = free_ram(), "free RAM"
     limit = mx.get_memory_limit()
-    if 0 < limit < total or not total:
+    if 0 < limit < total:
         return limit, "MLX's memory limit"
     return total, what
 

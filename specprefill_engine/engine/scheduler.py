@@ -72,7 +72,7 @@ def _same_start(tokens: np.ndarray, stored: np.ndarray, length: int = 64) -> boo
     return n > 0 and np.array_equal(tokens[:n], stored[:n])
 
 
-# the statuses of an admitted request that will decode, or decodes, in the shared batch
+# the statuses of an admitted request that decodes, or will, in the shared batch
 BATCH_BOUND = (Status.SCORING, Status.PREFILLING, Status.LAST_CHUNK, Status.JOINING,
                Status.DECODING)
 
@@ -456,12 +456,12 @@ class Scheduler:
 
     def _padding(self, live: list, runtime: Runtime, joining: int = 0) -> int:
         """Bytes the shared decode batch will hold beyond its rows' own KV: mlx-lm's batch
-        caches pad every row to the longest. Its rows: every admitted request but those
-        decoding alone, each at its reservation, and one of `joining` target bytes."""
+        caches pad every row to the longest. Its rows: every admitted request (one
+        decoding alone with its draft joins the batch when another does), each at its
+        reservation, and one of `joining` target bytes."""
         if runtime.batch_reason:
             return 0
-        rows = [s.reserved.target for s in live if s.status in BATCH_BOUND and not (
-            s.speculative or s.status is Status.DECODING and not s.batched)]
+        rows = [s.reserved.target for s in live if s.status in BATCH_BOUND]
         rows += [joining] if joining else []
         return len(rows) * max(rows) - sum(rows) if len(rows) > 1 else 0
 
