@@ -69,7 +69,6 @@ from specprefill_engine.core import score_tokens, select_chunks
 from specprefill_engine.core.matching import MATCH_WEIGHT, question_match, with_matches
 from specprefill_engine.core.scoring import N_WINDOW
 from specprefill_engine.core.sparse_prefill import cover_sliding_window
-from specprefill_engine.engine.blank_lines import BlankLines
 from specprefill_engine.engine.vouch import needed_keep
 from specprefill_engine.engine.words import TokenWords
 from specprefill_engine.loading import (
@@ -181,7 +180,6 @@ def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng,
 
     head = np.arange(case.head)  # the template's opening, protected as the engine does
     protected = np.isin(np.arange(len(case.ids)), head)
-    starts = BlankLines(tokenizer)(case.ids)  # the engine's units: blocks
     dense = reply(dense_answer(model, case.ids, case.max_tokens, eos, step))
     row = {"dense": grade(dense, dense), "dense_text": dense}
     for scorer, draft in draft_models.items():
@@ -191,10 +189,9 @@ def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng,
         row[f"{scorer}_scoring_s"] = round(time.perf_counter() - started, 2)
         if answer_spans(case):
             row[f"{scorer}_needs"] = needed_keep(np.array(importance), answer_spans(case),
-                                                 protected, starts=starts)
+                                                 protected)
         for keep in keeps:
-            kept = np.asarray(select_chunks(importance, keep, must_keep=protected,
-                                            starts=starts), dtype=np.int64)
+            kept = np.asarray(select_chunks(importance, keep, must_keep=protected), dtype=np.int64)
             text = reply(sparse_answer(model, case.ids, kept, case.max_tokens, eos, step))
             seen = cover_sliding_window(kept, probe, len(case.ids))
             row[f"{scorer}@{keep}"] = grade(text, dense)

@@ -14,11 +14,6 @@ claim at most a `min_free_chunks`-th of the free budget that way (the width shri
 with the budget: a short prompt's few kept chunks are not all one point's
 neighbourhood), and the always-kept tokens (must_keep, the sinks) pass nothing on.
 
-With `starts` (where a blank line begins a block: a paragraph, a function; the engine
-reads them from the tokens' text) the units are those blocks, each kept whole or not at
-all: a chunk cut from a function's middle shows the target one function's body after
-another's name. A block longer than `longest_block` chunks is cut on the grid.
-
 Chunks lie on a grid anchored at absolute positions (boundaries at multiples of the
 chunk size counted from position 0 of the whole sequence, `start` being the absolute
 position of importance[0]), so a prefix-cache hit never shifts the grid. The chunk
@@ -44,7 +39,6 @@ TAIL_TOKENS = 32  # the prompt's last tokens, always kept
 BACKBONE = 0.0  # share of chunks kept evenly spread, whatever their importance
 SINK_TOKENS = 8  # the sequence's first positions, always kept (attention sinks)
 SPREAD = 48  # tokens after an important one that inherit its importance, at most
-LONGEST_BLOCK = 4  # chunks a block may span and stay one unit; a longer one is cut on the grid
 
 
 def _host(values: Optional[ArrayLike], dtype) -> Optional[np.ndarray]:
@@ -109,8 +103,6 @@ def select_chunks(
     min_chunk_size: int = 8,
     min_free_chunks: int = 8,
     spread: int = SPREAD,
-    starts: Optional[ArrayLike] = None,
-    longest_block: int = LONGEST_BLOCK,
 ) -> mx.array:
     """Sorted int32 indices (into `importance`) of the kept tokens.
 
@@ -119,9 +111,7 @@ def select_chunks(
     (always kept, even beyond B), then chunks by mean importance (spread forward by
     min(spread, free budget // min_free_chunks) tokens), best first (ties: the earlier
     chunk), each adding the tokens of it not kept yet, until B is reached; the
-    last chunk may overshoot B by less than one chunk. With `starts`, a block of up to
-    `longest_block` chunks is one unit in place of its chunks (and may overshoot by
-    its length). must_keep's tokens come on top.
+    last chunk may overshoot B by less than one chunk. must_keep's tokens come on top.
     keep_pct 1.0 keeps all. Defaults (sink 8, chunks of 32 down to 8) from the GPU quality
     grid in docs/benchmarks.md.
     """
@@ -151,16 +141,9 @@ def select_chunks(
     if width > 0:
         values = spread_forward(values, width, must | (positions < sink_tokens))
 
-    # chunks on the absolute grid (the first and last may be partial), or blocks
+    # chunks on the absolute grid; the first and last may be partial
     chunk_of = positions // size - start // size
-    if starts is not None:
-        block = np.cumsum(_host(starts, bool))
-        if block.size != length:
-            raise ValueError(f"starts has {block.size} entries, importance has {length}")
-        whole = np.bincount(block)[block] <= longest_block * size
-        key = block * (int(chunk_of[-1]) + 2) + np.where(whole, 0, chunk_of + 1)
-        chunk_of = np.unique(key, return_inverse=True)[1].reshape(-1)
-    n_chunks = int(chunk_of.max()) + 1
+    n_chunks = int(chunk_of[-1]) + 1
     counts = np.bincount(chunk_of, minlength=n_chunks)
     means = np.bincount(chunk_of, weights=values, minlength=n_chunks) / counts
     already = np.bincount(chunk_of, weights=(must | forced), minlength=n_chunks)
