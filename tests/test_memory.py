@@ -82,7 +82,7 @@ async def test_a_request_waits_where_the_batch_would_pad_it_past_the_budget(
     the budget may not fit it side by side (32 agent sessions on an H100 ran out of GPU
     memory), so the short one waits for the long one and then answers as it does alone.
     A long one decoding alone with its draft would join the batch when the short one did."""
-    budget, order, held = 26_000_000, [], []
+    budget, order, held = 20_000_000, [], []
     async with Engine(kv_cache_bytes=budget, densify="off",
                       num_draft_tokens=draft_tokens) as engine:
         short = chat(engine.tokenizer, 7, 300)
@@ -99,12 +99,12 @@ async def test_a_request_waits_where_the_batch_would_pad_it_past_the_budget(
             order.append(name)
             return tokens
 
-        long = asyncio.create_task(run("long", chat(engine.tokenizer, 8, 2000), 60))
+        long = asyncio.create_task(run("long", chat(engine.tokenizer, 8, 1500), 40))
         while not order:
             await asyncio.sleep(0.01)
         beside = await run("short", short, 8)
         await long
-    # own KV: 2060 and 308 entries of 8 KB fit 26 MB (19 MB); padded to the longest, 34 MB
+    # own KV: 1540 and 308 entries of 8 KB fit 20 MB (15 MB); padded to the longest, 25 MB
     assert order == ["long started", "long", "short"]
     assert beside == alone.token_ids
     assert held and all(m.held <= budget for m in held)
