@@ -58,6 +58,7 @@ def free_ram() -> int:
 def device_memory() -> tuple[int, str]:
     """(bytes, what they are) the device can hold, within MLX's memory limit (past it MLX
     gives its buffer cache back; past the device, allocations fail on CUDA or page)."""
+    total, what = 0, ""
     if mx.default_device() == mx.gpu:
         info = mx.device_info()
         if mx.metal.is_available():
@@ -66,8 +67,6 @@ def device_memory() -> tuple[int, str]:
         else:
             total, what = int(info.get("total_memory") or info.get("memory_size") or 0), \
                 "the GPU's memory"
-    else:
-        total, what = free_ram(), "free RAM"
     if not total:
         total, what = free_ram(), "free RAM"
     limit = mx.get_memory_limit()
