@@ -410,3 +410,41 @@ def test_short_prompts_waiting_together_are_prefilled_four_to_a_turn():
     assert "A" not in order[firsts[0]:firsts[3]]
     assert "A" in order[firsts[3]:firsts[4]]
     assert {name: answers[name] for name in "BCDFG"} == solo
+
+
+def test_a_cached_sessions_next_turn_is_not_held_back_by_a_long_prefill():
+    """A prompt whose prefix is cached (an agent session's next turn) has little left to
+    prefill: it is prefilled beside the units of a long prefill already under way, so
+    its first token comes before the long one's (it waited for the whole long prefill),
+    and both answer as they do alone."""
+    rng = np.random.default_rng(3)
+    session = rng.integers(10, 4000, 600).tolist()
+    next_turn = session + rng.integers(10, 4000, 20).tolist()
+    long_prompt = rng.integers(10, 4000, 3000).tolist()
+    order = []
+
+    async def run():
+        async with Engine(draft=None, step_size=256) as engine:
+            await engine.generate(session, max_tokens=1)  # the session's first turn, cached
+            prefilling = asyncio.Event()
+
+            async def follow(name, prompt, **options):
+                tokens = []
+                async for chunk in engine.stream(prompt, max_tokens=4, **options):
+                    if chunk.token_ids:
+                        order.append(name)
+                        tokens.extend(chunk.token_ids)
+                return tokens
+
+            long_task = asyncio.create_task(follow(
+                "long", long_prompt, cache_prompt=False,
+                on_progress=lambda p: prefilling.set() if p.done else None))
+            await prefilling.wait()
+            short = await follow("next", next_turn)
+            return short, await long_task
+
+    short, long = asyncio.run(run())
+    assert order.index("next") < order.index("long"), order
+    with Engine(draft=None, step_size=256) as fresh:
+        assert fresh.generate_sync(next_turn, max_tokens=4, cache_prompt=False).token_ids == short
+        assert fresh.generate_sync(long_prompt, max_tokens=4, cache_prompt=False).token_ids == long

@@ -572,14 +572,26 @@ def split_at_boundaries(chunk_ends: list, boundaries: tuple, cut: int, size: int
     return sorted(ends.items()), checkpoints
 
 
-def short_prefill_share(state: RequestState, runtime: Runtime) -> Optional[float]:
+def short_prefill_share(state: RequestState, runtime: Runtime,
+                        caches: PrefixIndexes) -> Optional[float]:
     """A request's whole prefill as a share of one unit's cost (`chunk_cost`), when it is
-    surely dense and fits one chunk; None otherwise (it may be scored by the draft, or
-    it spans units)."""
+    surely dense and what is left after its cached prefix fits one chunk; None otherwise
+    (it may be scored by the draft, or it spans units). Reads the prefix cache, changes
+    nothing."""
     length, config = int(state.tokens.size), runtime.config
+    if state.num_draft_tokens:
+        return None  # the draft feeds the prompt first
+    hit = find_dense(state, caches_for(state, caches).target)
+    cached = hit.cut if hit is not None else 0
     may_score = runtime.scorer is not None and (
         state.specprefill is True or (state.specprefill is None and length >= state.threshold))
-    if may_score or length > config.step_size:
+    if may_score and state.specprefill is None:
+        earlier = runtime.decisions.get(decision_key(state))
+        # as `begin` runs it: dense as before, or too few tokens after the cached prefix
+        may_score = not isinstance(earlier, str) and (
+            earlier is not None or hit is None or length - cached >= max(
+                config.chunk_size + config.tail_tokens, state.threshold))
+    if may_score or length - cached > config.step_size:
         return None
     weight = prefill_weight(runtime.model)
-    return chunk_cost(length, 0, weight) / chunk_cost(config.step_size, 0, weight)
+    return chunk_cost(length - cached, cached, weight) / chunk_cost(config.step_size, 0, weight)

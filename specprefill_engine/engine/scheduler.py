@@ -97,6 +97,7 @@ class Scheduler:
         self._reserved = 0  # bytes every admitted request's `Reservation` adds up to
         self.memory_stats: Optional[MemoryStats] = None  # a new one each turn (`stats()`)
         self._evicted = 0  # prefix-cache entries dropped to make room for requests
+        self._shares: dict = {}  # handle -> (prefix cache version, `_short_share`)
 
     def start(self, runtime: Optional[Runtime], caches: Optional[PrefixIndexes],
               register: Optional[Callable]) -> None:
@@ -216,6 +217,7 @@ class Scheduler:
 
     def _forget(self, state: RequestState) -> None:
         state.status = Status.ENDED
+        self._shares.pop(state.handle, None)
         with self.lock:
             self.requests.pop(state.handle, None)
 
@@ -290,9 +292,7 @@ class Scheduler:
                     return  # a cancelled request ends at the next turn's start
                 if any(_same_start(waiting.tokens, store.tokens) for store in plan.stores):
                     return  # admitted next turn, where its lookup finds what this plan stores
-                share = short_prefill_share(waiting, runtime)
-                if share is not None:
-                    share = max(share, SHORT_PREFILL_FLOOR)
+                share = self._short_share(waiting, runtime, caches)
                 if spent and (share is None or spent + share > 1 + 1e-9):
                     return  # it waits for a turn of its own
                 if not self._admit(waiting, live, runtime, caches, plan):
@@ -302,13 +302,52 @@ class Scheduler:
                 state = waiting
             if state.status is Status.SCORING:
                 plan.scoring += take_scoring_units(state, caches_for(state, caches).draft)
+                self._plan_short_prefills(plan, runtime, caches)
                 return
             state.prefill.add_unit(plan, int(state.tokens.size))
             if state.prefill.done:
                 state.status = Status.LAST_CHUNK
             if not state.prefill.done or share is None:
-                return  # a prefill spanning units spends the whole turn
+                self._plan_short_prefills(plan, runtime, caches)
+                return  # a prefill spanning units spends the whole turn, short ones beside
             spent += share
+
+    def _plan_short_prefills(self, plan: TurnPlan, runtime: Runtime,
+                             caches: PrefixIndexes) -> None:
+        """Beside a unit of a long prefill, the waiting requests whose whole prefill is
+        short (a cached session's next turn), in line order, up to one unit's cost: a
+        long prefill no longer holds back every request behind it, and its own turns
+        grow by at most that much."""
+        spent = 0.0
+        for state in self._live():
+            if state.status is not Status.WAITING or state.cancelled.is_set():
+                continue
+            share = self._short_share(state, runtime, caches)
+            if share is None:
+                continue
+            if spent + share > 1 + 1e-9:
+                return
+            if any(_same_start(state.tokens, store.tokens) for store in plan.stores):
+                continue
+            if not self._admit(state, self._live(), runtime, caches, plan) or state.finished:
+                continue
+            spent += share
+            if state.status is Status.PREFILLING:
+                state.prefill.add_unit(plan, int(state.tokens.size))
+                if state.prefill.done:
+                    state.status = Status.LAST_CHUNK
+
+    def _short_share(self, state: RequestState, runtime: Runtime,
+                     caches: PrefixIndexes) -> Optional[float]:
+        """`short_prefill_share` (at least `SHORT_PREFILL_FLOOR`), again only once the
+        target's prefix cache has changed."""
+        version = caches.target.next_key if caches.target is not None else 0
+        known = self._shares.get(state.handle)
+        if known is None or known[0] != version:
+            share = short_prefill_share(state, runtime, caches)
+            known = self._shares[state.handle] = (
+                version, None if share is None else max(share, SHORT_PREFILL_FLOOR))
+        return known[1]
 
     def _admit(self, state: RequestState, live: list, runtime: Runtime,
                caches: PrefixIndexes, plan: TurnPlan) -> bool:
