@@ -565,6 +565,27 @@ async def test_openai_agents_sdk_runs_one_tool_call(served):
 # the engine gone; the CLI's drain and overload ------------------------------------------
 
 
+def test_the_server_runs_the_model_once_before_it_accepts_and_keeps_nothing_of_it():
+    """The warm-up (a GPU builds each kernel on its first use, which a session's first
+    request would otherwise wait for) ran before the port accepted: the target's first
+    prefill is behind it, and it left nothing in the prefix caches or the policy's
+    records; the first request answers as a fresh engine's."""
+    served = Served(Engine(), ServerConfig())
+    try:
+        runtime = served.engine._worker.runtime
+        assert "target" in runtime.costs.warm
+        memory = served.engine.stats()["memory"]
+        assert (memory.prefix_cache, memory.draft_prefix_cache, memory.requests) == (0, 0, {})
+        assert not runtime.decisions.records and not runtime.decisions.prompts
+        answer = served.openai().chat.completions.create(model="m", messages=ASK, max_tokens=6,
+                                                         temperature=0)
+    finally:
+        served.stop()
+    with Engine() as fresh:
+        assert answer.choices[0].message.content == fresh.generate_sync(
+            ASK, max_tokens=6, temperature=0).text
+
+
 def test_an_engine_that_is_gone_is_a_503_in_both_shapes():
     served = Served(Engine(), ServerConfig())
     try:

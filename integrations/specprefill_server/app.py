@@ -26,6 +26,7 @@ from . import anthropic_api, openai_api, responses_api
 from .calls import IGNORED_HEADER
 from .errors import APIError, classify, error_body
 from .streaming import ClientGone, Gate
+from .warmup import warm_up
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # served without a key: says only whether the engine is up
@@ -48,6 +49,7 @@ class ServerConfig:
     # there per request (Claude Code's billing header), which would change the prompt's
     # prefix on every request and defeat the prefix cache; "" keeps every line
     metadata_lines: str = r"^x-[A-Za-z0-9-]+:"
+    warmup: bool = True  # run the model once before the port accepts (`warmup.py`)
 
     def __post_init__(self):
         if not self.keepalive > 0:
@@ -178,6 +180,8 @@ def create_app(engine: Engine, config: Optional[ServerConfig] = None) -> FastAPI
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
+        if config.warmup:
+            await warm_up(engine)
         logger.info("serving %s", name)
         try:
             yield
