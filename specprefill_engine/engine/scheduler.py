@@ -353,8 +353,9 @@ class Scheduler:
                caches: PrefixIndexes, plan: TurnPlan) -> bool:
         """Start the oldest waiting request's prefill, if the batch and KV budget allow,
         after reading back what the disk tier holds for it (a turn of its own)."""
-        running = sum(s.status in (Status.JOINING, Status.DECODING) for s in live)
-        if running >= runtime.config.max_batch_size:
+        admitted = sum(s.status not in (Status.WAITING, Status.LEAVING, Status.ENDED)
+                       for s in live)  # each decodes once its prefill is done
+        if admitted >= runtime.config.max_batch_size:
             return False
         need = self._reservation(state, runtime)
         if need.total > runtime.memory.budget:  # `Engine._prepare` refuses it first
