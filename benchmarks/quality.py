@@ -69,6 +69,7 @@ from specprefill_engine.core import score_tokens, select_chunks
 from specprefill_engine.core.matching import MATCH_WEIGHT, question_match, with_matches
 from specprefill_engine.core.scoring import N_WINDOW
 from specprefill_engine.core.sparse_prefill import cover_sliding_window
+from specprefill_engine.engine.blank_lines import BlankLines
 from specprefill_engine.engine.vouch import needed_keep
 from specprefill_engine.engine.words import TokenWords
 from specprefill_engine.loading import (
@@ -166,9 +167,10 @@ def coverage(kept: np.ndarray, spans) -> float:
 
 
 def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng,
-             match: np.ndarray, match_weight: float) -> dict:
+             match: np.ndarray, match_weight: float, grid: bool = False) -> dict:
     """Dense, then each scorer's selection at each keep (the question's `match`es added
-    as the engine adds them); the random control takes the first scorer's kept count."""
+    as the engine adds them; with `grid`, also on the 32-token grid without blocks); the
+    random control takes the first scorer's kept count."""
     eos = set(tokenizer.eos_token_ids)
     probe = make_prompt_cache(model)
 
@@ -180,6 +182,7 @@ def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng,
 
     head = np.arange(case.head)  # the template's opening, protected as the engine does
     protected = np.isin(np.arange(len(case.ids)), head)
+    starts = BlankLines(tokenizer)(case.ids)  # the engine's units: blocks
     dense = reply(dense_answer(model, case.ids, case.max_tokens, eos, step))
     row = {"dense": grade(dense, dense), "dense_text": dense}
     for scorer, draft in draft_models.items():
@@ -189,17 +192,22 @@ def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng,
         row[f"{scorer}_scoring_s"] = round(time.perf_counter() - started, 2)
         if answer_spans(case):
             row[f"{scorer}_needs"] = needed_keep(np.array(importance), answer_spans(case),
-                                                 protected)
+                                                 protected, starts=starts)
         for keep in keeps:
-            kept = np.asarray(select_chunks(importance, keep, must_keep=protected), dtype=np.int64)
-            text = reply(sparse_answer(model, case.ids, kept, case.max_tokens, eos, step))
-            seen = cover_sliding_window(kept, probe, len(case.ids))
-            row[f"{scorer}@{keep}"] = grade(text, dense)
-            row[f"{scorer}@{keep}_cover"] = coverage(seen, case.needles)
-            row[f"{scorer}@{keep}_kept"] = int(seen.size)
+            for units in ("blocks", "grid") if grid else ("blocks",):
+                name = f"{scorer}@{keep}" if units == "blocks" else f"{scorer}-grid@{keep}"
+                kept = np.asarray(select_chunks(importance, keep, must_keep=protected,
+                                                starts=starts if units == "blocks" else None),
+                                  dtype=np.int64)
+                text = reply(sparse_answer(model, case.ids, kept, case.max_tokens, eos, step))
+                seen = cover_sliding_window(kept, probe, len(case.ids))
+                row[name] = grade(text, dense)
+                row[f"{name}_cover"] = coverage(seen, case.needles)
+                row[f"{name}_kept"] = int(seen.size)
+                sized = kept if units == "blocks" else sized
             if scorer == next(iter(draft_models)):
                 control = np.union1d(head, random_selection(
-                    rng, len(case.ids), int(kept.size) - head.size, keep_pct=keep))
+                    rng, len(case.ids), int(sized.size) - head.size, keep_pct=keep))
                 text = reply(sparse_answer(model, case.ids, control, case.max_tokens, eos, step))
                 row[f"random@{keep}"] = grade(text, dense)
                 row[f"random@{keep}_cover"] = coverage(
@@ -245,7 +253,7 @@ def real_run(args) -> None:
                     rng = random.Random(f"{name}:{kind}:{length}:{seed}")  # the control's chunks
                     match = question_match(*words(case.ids), min(N_WINDOW, len(case.ids)))
                     row = run_case(model, drafts, tokenizer, case, args.keeps, args.step, rng,
-                                   match, args.match_weight)
+                                   match, args.match_weight, args.grid)
                     row = {"model": name, "kind": kind, "length": length, "seed": seed,
                            "match_weight": args.match_weight,
                            "tokens": len(case.ids), "draft_layers": count, "device": device,
@@ -394,9 +402,10 @@ def load_folder(name: str, folders: dict, path_only: bool = False):
 
 
 def methods(rows: list) -> list:
-    return sorted({k for r in rows for k in r if "@" in k and "_" not in k},
-                  key=lambda m: ([*SCORERS, "random"].index(m.split("@")[0]),
-                                 float(m.split("@")[1])))
+    def order(method):
+        name, keep = method.split("@")
+        return [*SCORERS, "random"].index(name.removesuffix("-grid")), name, float(keep)
+    return sorted({k for r in rows for k in r if "@" in k and "_" not in k}, key=order)
 
 
 def table(rows: list) -> str:
@@ -589,6 +598,8 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-limit", type=float, default=0, metavar="GB",
                         help="device memory this process may use, its buffer cache a seventh "
                              "(processes sharing a GPU: MLX's cache otherwise keeps what it freed)")
+    parser.add_argument("--grid", action="store_true",
+                        help="also select on the 32-token grid without blocks (SCORER-grid@KEEP)")
     parser.add_argument("--engine", action="store_true",
                         help="through the engine: its default, dense and forced at --keeps")
     parser.add_argument("--placements", nargs="+", choices=["user", "tool"], default=["user"],

@@ -21,6 +21,7 @@ from .core.answers import dense_answer, sparse_answer
 from .core.selection import CHUNK_SIZE, TAIL_TOKENS, effective_chunk_size, forced_tokens
 from .demo_tasks import KINDS, make_case
 from .engine import Engine
+from .engine.blank_lines import BlankLines
 from .engine.results import Progress
 from .loading import DEMO_DRAFT, load_model
 
@@ -161,6 +162,7 @@ def quality_rows(cases: list, keeps, random_control: bool = True, report: Report
     model, tokenizer = load_model()
     draft, _ = load_model(default=DEMO_DRAFT)
     eos = set(tokenizer.eos_token_ids)
+    blank_lines = BlankLines(tokenizer)  # the engine's units
     rng = random.Random(0)
     rows = []
     total, done = sum(len(case["ids"]) for case in cases), 0
@@ -179,7 +181,7 @@ def quality_rows(cases: list, keeps, random_control: bool = True, report: Report
             if key not in scores:
                 scores[key] = score_tokens(draft, ids, **score_kwargs)
             for keep in keeps:
-                kept = select_chunks(scores[key], keep, **select_kwargs)
+                kept = select_chunks(scores[key], keep, starts=blank_lines(ids), **select_kwargs)
                 row[f"{name}@{keep}"] = right(sparse_answer(model, ids, kept, n, eos))
                 if random_control and index == 0:
                     control = random_selection(rng, len(ids), int(kept.size), keep_pct=keep)

@@ -303,3 +303,41 @@ def test_the_spread_keeps_what_follows_a_peak_within_an_eighth_of_the_budget():
     kept = np.asarray(select_chunks(short, 0.2))  # free budget 80: width 10
     assert np.isin(np.arange(300, 311), kept).all()
     assert not np.isin(np.arange(330, 340), kept).any()
+
+
+def test_a_block_between_blank_lines_is_kept_whole_or_not_at_all():
+    """A function's body ranks high, its `def` line and the neighbours' bodies low: on the
+    grid a chunk may hold the end of one function and the start of the next, so the view
+    glues one body to another's name; with `starts` (blank lines) each block is a unit.
+    A block longer than `longest_block` chunks is cut on the grid."""
+    values = np.full(2048, 0.01, np.float32)
+    starts = np.zeros(2048, bool)
+    starts[np.arange(0, 2048, 40)] = True  # blocks of 40 tokens
+    values[1220:1240] = 1.0  # the second half of the block at 1200-1240
+    values[1240:1250] = 0.5  # the next block's first tokens
+    blocks = np.asarray(select_chunks(values, 0.1, starts=starts, spread=0))
+    grid = np.asarray(select_chunks(values, 0.1, spread=0))
+    held = [np.isin(np.arange(a, a + 40), blocks).mean() for a in range(40, 1960, 40)]
+    assert set(held) <= {0.0, 1.0} and np.isin(np.arange(1200, 1250), blocks).all()
+    assert not np.isin(np.arange(1200, 1216), grid).all()  # the grid cut the block
+    long = np.zeros(2048, bool)
+    long[[0, 1024]] = True  # two blocks far longer than 4 chunks
+    cut = np.asarray(select_chunks(values, 0.1, starts=long, spread=0))
+    assert np.array_equal(cut, grid)
+
+
+def test_the_tail_begins_with_the_first_block_that_starts_inside_it():
+    """The last 32 tokens are always kept; where the question's block starts inside
+    them, the end of the block before it (a function's bare `return`) is not kept alone:
+    it stays with its block, here left out."""
+    values = np.full(2048, 0.01, np.float32)
+    starts = np.zeros(2048, bool)
+    starts[np.arange(0, 2048, 40)] = True
+    starts[2030] = True  # the question: the last 18 tokens
+    values[1200:1240] = 1.0
+    kept = np.asarray(select_chunks(values, 0.1, starts=starts, spread=0))
+    assert np.isin(np.arange(2030, 2048), kept).all()
+    assert not np.isin(np.arange(2000, 2030), kept).any()
+    assert np.isin(np.arange(1200, 1240), kept).all()
+    grid = np.asarray(select_chunks(values, 0.1, spread=0))
+    assert np.isin(np.arange(2016, 2030), grid).all()  # the grid keeps the last 32

@@ -16,6 +16,7 @@ from specprefill_engine import Engine
 from specprefill_engine import code_tasks
 from specprefill_engine import gguf as conversion
 from specprefill_engine.core import score_tokens, select_chunks
+from specprefill_engine.engine.blank_lines import BlankLines
 from specprefill_engine.loading import load_model
 from specprefill_engine.prose_tasks import is_right, make_case
 from specprefill_engine.chat.call import build_call
@@ -85,8 +86,11 @@ def test_the_small_draft_keeps_the_body_of_the_function_a_question_names():
     draft, tokenizer = load_model(str(convert_real("qwen2.5-coder-0.5b")))
     case = code_tasks.make_case(tokenizer, "code_return", 2048, seed=0)
     importance = score_tokens(draft, case.ids, step_size=512)
-    kept = np.asarray(select_chunks(importance, must_keep=np.arange(len(case.ids)) < case.head))
+    kept = np.asarray(select_chunks(importance, must_keep=np.arange(len(case.ids)) < case.head,
+                                    starts=BlankLines(tokenizer)(case.ids)))
     (start, end), = case.answer_spans
+    assert np.isin(np.arange(start, end), kept).all(), (start, end)
+    (start, end), = case.needles  # the whole function, from its `def` line: one block
     assert np.isin(np.arange(start, end), kept).all(), (start, end)
 
 

@@ -14,6 +14,14 @@ claim at most a `min_free_chunks`-th of the free budget that way (the width shri
 with the budget: a short prompt's few kept chunks are not all one point's
 neighbourhood), and the always-kept tokens (must_keep, the sinks) pass nothing on.
 
+With `starts` (where a blank line begins a block: a paragraph, a function; the engine
+reads them from the tokens' text) the units are those blocks, each kept whole or not at
+all: a chunk cut from a function's middle shows the target one function's body after
+another's name. A block longer than `longest_block` chunks is cut on the grid. The
+always-kept tail then begins where the first block that starts inside it begins, so the
+tail does not keep the end of the block before the question alone (a bare `return`
+read as the asked function's).
+
 Chunks lie on a grid anchored at absolute positions (boundaries at multiples of the
 chunk size counted from position 0 of the whole sequence, `start` being the absolute
 position of importance[0]), so a prefix-cache hit never shifts the grid. The chunk
@@ -39,6 +47,7 @@ TAIL_TOKENS = 32  # the prompt's last tokens, always kept
 BACKBONE = 0.0  # share of chunks kept evenly spread, whatever their importance
 SINK_TOKENS = 8  # the sequence's first positions, always kept (attention sinks)
 SPREAD = 48  # tokens after an important one that inherit its importance, at most
+LONGEST_BLOCK = 4  # chunks a block may span and stay one unit; a longer one is cut on the grid
 
 
 def _host(values: Optional[ArrayLike], dtype) -> Optional[np.ndarray]:
@@ -103,6 +112,8 @@ def select_chunks(
     min_chunk_size: int = 8,
     min_free_chunks: int = 8,
     spread: int = SPREAD,
+    starts: Optional[ArrayLike] = None,
+    longest_block: int = LONGEST_BLOCK,
 ) -> mx.array:
     """Sorted int32 indices (into `importance`) of the kept tokens.
 
@@ -111,7 +122,9 @@ def select_chunks(
     (always kept, even beyond B), then chunks by mean importance (spread forward by
     min(spread, free budget // min_free_chunks) tokens), best first (ties: the earlier
     chunk), each adding the tokens of it not kept yet, until B is reached; the
-    last chunk may overshoot B by less than one chunk. must_keep's tokens come on top.
+    last chunk may overshoot B by less than one chunk. With `starts`, a block of up to
+    `longest_block` chunks is one unit in place of its chunks (and may overshoot by
+    its length). must_keep's tokens come on top.
     keep_pct 1.0 keeps all. Defaults (sink 8, chunks of 32 down to 8) from the GPU quality
     grid in docs/benchmarks.md.
     """
@@ -131,6 +144,14 @@ def select_chunks(
         raise ValueError("importance is empty")
     if keep_pct == 1.0:
         return mx.arange(length, dtype=mx.int32)
+    blocks = None if starts is None else _host(starts, bool)
+    if blocks is not None:
+        if blocks.size != length:
+            raise ValueError(f"starts has {blocks.size} entries, importance has {length}")
+        tail_from = max(length - max(tail_tokens, 1), 0)
+        inside = np.flatnonzero(blocks[tail_from:])
+        if inside.size:  # the tail from the first block that starts inside it
+            tail_tokens = length - tail_from - int(inside[0])
     must, forced = forced_tokens(length, chunk_size, backbone_pct, tail_tokens, start,
                                  sink_tokens, must_keep)
     budget = math.ceil(keep_pct * (length - int(must.sum())))
@@ -141,9 +162,14 @@ def select_chunks(
     if width > 0:
         values = spread_forward(values, width, must | (positions < sink_tokens))
 
-    # chunks on the absolute grid; the first and last may be partial
+    # chunks on the absolute grid (the first and last may be partial), or blocks
     chunk_of = positions // size - start // size
-    n_chunks = int(chunk_of[-1]) + 1
+    if blocks is not None:
+        block = np.cumsum(blocks)
+        whole = np.bincount(block)[block] <= longest_block * size
+        key = block * (int(chunk_of[-1]) + 2) + np.where(whole, 0, chunk_of + 1)
+        chunk_of = np.unique(key, return_inverse=True)[1].reshape(-1)
+    n_chunks = int(chunk_of.max()) + 1
     counts = np.bincount(chunk_of, minlength=n_chunks)
     means = np.bincount(chunk_of, weights=values, minlength=n_chunks) / counts
     already = np.bincount(chunk_of, weights=(must | forced), minlength=n_chunks)

@@ -419,9 +419,10 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixIndexes,
     if config.match_weight:
         importance = with_matches(importance, question_match(
             *runtime.words(tokens), min(config.n_window, length)), config.match_weight)
+    starts = runtime.blank_lines(tokens) if runtime.blank_lines is not None else None
     selected = np.asarray(select_chunks(
         importance, state.keep, config.chunk_size, config.backbone_pct, config.tail_tokens,
-        must_keep=state.protected, spread=config.spread,
+        must_keep=state.protected, spread=config.spread, starts=starts,
     ), dtype=np.int64)
     selected = cover_sliding_window(selected, make_prompt_cache(runtime.model), length, 0)
     positions, reuse = selected, ""

@@ -32,6 +32,7 @@ from .memory import KVRates, MemoryBudget, device_memory, memory_budget, weights
 from .policy import CostModel, cost_model
 from .speculative import speculative_support
 from .vouch import DraftCheck, DraftVerdict
+from .blank_lines import BlankLines
 from .words import TokenWords
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,7 @@ class Runtime:
     vouch: Optional[DraftCheck] = None  # what the engine knows of its draft; None: no draft
     speculative_reason: str = ""  # why the pair cannot decode speculatively; "": it can
     words: Optional[TokenWords] = None  # the tokens' words, where the selection matches them
+    blank_lines: Optional[BlankLines] = None  # where blocks begin: the selection's units
     decisions: Decisions = field(default_factory=Decisions)  # the same request, the same plan
     kv: Optional[QuantizedKV] = None  # how the target's KV is quantized; None: not
     memory: Optional[MemoryBudget] = None  # what running requests' KV and the caches may hold
@@ -312,7 +314,7 @@ def make_draft_check(model_path: str, draft_path: str, model: nn.Module, draft: 
                                    "it on rank 0 alone)")
     key = {} if fixed is not None else {"target": _pair_identity(model_path, model),
                                         "draft": _pair_identity(draft_path, draft),
-                                        "settings": settings}
+                                        "settings": settings, "units": "blocks, the tail from a block"}
     return DraftCheck(key, settings, config.keep, fixed, (draft_path, model_path))
 
 
@@ -392,4 +394,5 @@ def load_runtime(model_path: str, draft_path: Optional[str], config: EngineConfi
                    channel=channel, identities=identities, vouch=vouch,
                    speculative_reason=refused,
                    words=TokenWords(tokenizer) if draft is not None and config.match_weight
-                   else None, kv=kv, memory=memory, rates=rates)
+                   else None, blank_lines=BlankLines(tokenizer) if draft is not None else None,
+                   kv=kv, memory=memory, rates=rates)

@@ -72,6 +72,7 @@ from ..core.answers import dense_answer, greedy, sparse_answer
 from ..core.prefill import STEP_SIZE, cache_length, chunked_prefill
 from ..core.scoring import N_LOOKAHEAD, N_WINDOW, POOL_KERNEL
 from ..loading import cache_dir, save_json
+from .blank_lines import BlankLines
 
 logger = logging.getLogger(__name__)
 VERSION = 3  # of the probe and its file
@@ -134,6 +135,7 @@ def measure(target, draft, tokenizer, length: int, n_lookahead: int = N_LOOKAHEA
     kinds = dict(PROBES)[length]
     cases = [make_case(tokenizer, kind, length, SEED, ask)
              for kind, count in kinds for ask in range(count)]
+    blank_lines = BlankLines(tokenizer)
     shared = len(os.path.commonprefix([case.ids for case in cases]))
     found, seconds = {}, {}
     for which, model in (("target", target), ("draft", draft)):
@@ -148,7 +150,7 @@ def measure(target, draft, tokenizer, length: int, n_lookahead: int = N_LOOKAHEA
                                                cache=cache))
             protected = np.arange(len(case.ids)) < case.head
             keeps.append(needed_keep(np.array(importance), case.answer_spans, protected,
-                                     **selection))
+                                     starts=blank_lines(case.ids), **selection))
         del cache
         found[which], seconds[which] = tuple(keeps), time.perf_counter() - started
     mx.clear_cache()
@@ -174,7 +176,8 @@ def code_answers(target, draft, tokenizer, keep: float, n_lookahead: int = N_LOO
                                            step_size=shared, n_window=n_window,
                                            cache=scoring))
         kept = select_chunks(np.array(importance), keep,
-                             must_keep=np.arange(len(case.ids)) < case.head, **selection)
+                             must_keep=np.arange(len(case.ids)) < case.head,
+                             starts=BlankLines(tokenizer)(case.ids), **selection)
         sparse = sparse_answer(target, case.ids, kept, case.max_tokens, eos)
         found.append((is_right(case, tokenizer.decode(
             continued_answer(target, dense, case.ids, shared, case.max_tokens, eos))),
