@@ -53,6 +53,7 @@ import asyncio
 import json
 import math
 import os
+import shlex
 import random
 import re
 import shutil
@@ -650,6 +651,7 @@ class Server:
                        str(max(args.reply_tokens))]
             if args.prefix_cache_bytes is not None:
                 command += ["--prompt-cache-bytes", str(args.prefix_cache_bytes)]
+            command += shlex.split(args.mlx_lm_args)
             blas = next((p for p in BLAS if os.path.exists(p)), None)
             if blas and sys.platform.startswith("linux"):  # the BLAS serve loads (_blas.py)
                 env.update(LD_PRELOAD=blas, OPENBLAS_THREAD_TIMEOUT="4")
@@ -901,6 +903,8 @@ def parse(argv=None) -> argparse.Namespace:
                         "timing: e.g. qwen3-8b); its draft --draft-shape")
     parser.add_argument("--draft-shape", default="qwen3-0.6b")
     parser.add_argument("--sessions", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--mlx-lm-args", default="",
+                        help="more flags for mlx_lm.server (e.g. '--prompt-concurrency 1')")
     parser.add_argument("--servers", nargs="+", default=["serve", "mlx-lm"],
                         choices=["serve", "serve-dense", "mlx-lm"],
                         help="servers this run starts, side by side, the first alternating")
