@@ -79,12 +79,12 @@ def test_the_coder_pair_answers_a_code_question_dense_and_with_specprefill(coder
 
 
 def test_the_small_draft_keeps_the_body_of_the_function_a_question_names():
-    """Over ~2K tokens of similar functions, "which number does `f` add": the 0.5B draft's
+    """Over ~1K tokens of similar functions, "which number does `f` add": the 0.5B draft's
     last token attends nowhere in particular, while the question's own words find `f`'s
     definition; the answer follows it, within the spread. The engine's scoring, at its
     keep, holds the answer's tokens."""
     draft, tokenizer = load_model(str(convert_real("qwen2.5-coder-0.5b")))
-    case = code_tasks.make_case(tokenizer, "code_return", 2048, seed=0)
+    case = code_tasks.make_case(tokenizer, "code_return", 1024, seed=0)
     importance = score_tokens(draft, case.ids, step_size=512)
     kept = np.asarray(select_chunks(importance, must_keep=np.arange(len(case.ids)) < case.head,
                                     starts=BlankLines(tokenizer)(case.ids)))
