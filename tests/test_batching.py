@@ -448,3 +448,45 @@ def test_a_cached_sessions_next_turn_is_not_held_back_by_a_long_prefill():
     with Engine(draft=None, step_size=256) as fresh:
         assert fresh.generate_sync(next_turn, max_tokens=4, cache_prompt=False).token_ids == short
         assert fresh.generate_sync(long_prompt, max_tokens=4, cache_prompt=False).token_ids == long
+
+
+def test_a_short_prefill_goes_ahead_only_where_it_delays_no_one():
+    """Under a KV budget for two padded rows, not three: a session's mostly cached next
+    turn (S) that arrives behind a waiting long prompt (B) while another long prefill
+    (A) runs does not take the memory B waits for: B's first token comes before S's (S
+    went beside A's units and B waited for S to end), and all answer as alone."""
+    rng = np.random.default_rng(4)
+    session = rng.integers(10, 4000, 600).tolist()
+    next_turn = session + rng.integers(10, 4000, 20).tolist()
+    first, second = (rng.integers(10, 4000, 1500).tolist() for _ in range(2))
+    order = []
+
+    async def run():
+        async with Engine(draft=None, step_size=256) as probe:
+            row = probe.info.rates.target_bytes(1504)
+        async with Engine(draft=None, step_size=256, kv_cache_bytes=int(2.5 * row)) as engine:
+            await engine.generate(session, max_tokens=1)  # cached: S has 20 tokens left
+            prefilling = asyncio.Event()
+
+            async def follow(name, prompt, **options):
+                tokens = []
+                async for chunk in engine.stream(prompt, max_tokens=4, **options):
+                    if chunk.token_ids:
+                        order.append(name)
+                        tokens.extend(chunk.token_ids)
+                return tokens
+
+            a = asyncio.create_task(follow("A", first, cache_prompt=False, on_progress=lambda p:
+                                           prefilling.set() if p.done else None))
+            await prefilling.wait()
+            b = asyncio.create_task(follow("B", second, cache_prompt=False))
+            await asyncio.sleep(0)
+            s = asyncio.create_task(follow("S", next_turn))
+            return await asyncio.gather(a, b, s)
+
+    answers = asyncio.run(run())
+    assert order.index("B") < order.index("S"), order
+    with Engine(draft=None, step_size=256) as fresh:
+        alone = [fresh.generate_sync(p, max_tokens=4, cache_prompt=False).token_ids
+                 for p in (first, second, next_turn)]
+    assert list(answers) == alone

@@ -77,6 +77,11 @@ BATCH_BOUND = (Status.SCORING, Status.PREFILLING, Status.LAST_CHUNK, Status.JOIN
                Status.DECODING)
 
 
+def _admitted(live: list) -> int:
+    """Requests admitted and not ended: each is, or will be once prefilled, a batch row."""
+    return sum(s.status not in (Status.WAITING, Status.LEAVING, Status.ENDED) for s in live)
+
+
 def _started(state: RequestState) -> Status:
     """The status of a request whose prefill the planner has decided: its draft scores
     it (or feeds it, to propose the reply) first, or the target prefills it."""
@@ -318,24 +323,37 @@ class Scheduler:
         short (a cached session's next turn), in line order, up to one unit's cost: a
         long prefill no longer holds back every request behind it, and its own turns
         grow by at most that much."""
-        spent = 0.0
+        spent, ahead = 0.0, None  # the oldest long request waiting: its place is kept
         for state in self._live():
             if state.status is not Status.WAITING or state.cancelled.is_set():
                 continue
             share = self._short_share(state, runtime, caches)
             if share is None:
+                ahead = ahead or state
                 continue
             if spent + share > 1 + 1e-9:
                 return
             if any(_same_start(state.tokens, store.tokens) for store in plan.stores):
                 continue
-            if not self._admit(state, self._live(), runtime, caches, plan) or state.finished:
+            live = self._live()
+            if ahead is not None and not self._room_for_both(ahead, state, live, runtime,
+                                                             caches, plan):
+                return  # it would take the memory or batch row the older one waits for
+            if not self._admit(state, live, runtime, caches, plan) or state.finished:
                 continue
             spent += share
             if state.status is Status.PREFILLING:
                 state.prefill.add_unit(plan, int(state.tokens.size))
                 if state.prefill.done:
                     state.status = Status.LAST_CHUNK
+
+    def _room_for_both(self, older: RequestState, short: RequestState, live: list,
+                       runtime: Runtime, caches: PrefixIndexes, plan: TurnPlan) -> bool:
+        """Whether `short` can be admitted ahead of `older` and leave it a batch row and
+        its memory: a short prefill goes first only where it delays no one."""
+        return _admitted(live) + 2 <= runtime.config.max_batch_size and self._fits(
+            live, runtime, caches, plan, self._reservation(older, runtime),
+            self._reservation(short, runtime))
 
     def _short_share(self, state: RequestState, runtime: Runtime,
                      caches: PrefixIndexes) -> Optional[float]:
@@ -353,9 +371,7 @@ class Scheduler:
                caches: PrefixIndexes, plan: TurnPlan) -> bool:
         """Start the oldest waiting request's prefill, if the batch and KV budget allow,
         after reading back what the disk tier holds for it (a turn of its own)."""
-        admitted = sum(s.status not in (Status.WAITING, Status.LEAVING, Status.ENDED)
-                       for s in live)  # each decodes once its prefill is done
-        if admitted >= runtime.config.max_batch_size:
+        if _admitted(live) >= runtime.config.max_batch_size:
             return False
         need = self._reservation(state, runtime)
         if need.total > runtime.memory.budget:  # `Engine._prepare` refuses it first
@@ -363,7 +379,7 @@ class Scheduler:
                 need, runtime.memory, f"{state.tokens.size} prompt tokens + max_tokens "
                 f"{state.max_tokens}")))
             return True
-        if not self._fits(need, live, runtime, caches, plan):
+        if not self._fits(live, runtime, caches, plan, need):
             return False  # it waits for running requests to end; the caches give back
         if not state.promoted:
             state.promoted = True
@@ -485,24 +501,25 @@ class Scheduler:
         self._reserved += reservation.total - state.reserved.total
         state.reserved = reservation
 
-    def _fits(self, need: Reservation, live: list, runtime: Runtime,
-              caches: PrefixIndexes, plan: TurnPlan) -> bool:
-        """Whether `need` fits beside the running requests once the prefix caches give
+    def _fits(self, live: list, runtime: Runtime, caches: PrefixIndexes, plan: TurnPlan,
+              *needs: Reservation) -> bool:
+        """Whether `needs` fit beside the running requests once the prefix caches give
         back every entry no planned restore names."""
         pinned = {r.key for r in plan.restores} | self._pinned(live)
         kept = caches.target.pinned_bytes(pinned) if caches.target is not None else 0
-        padding = self._padding(live, runtime, need.target)
-        return self._reserved + kept + need.total + padding <= runtime.memory.budget
+        padding = self._padding(live, runtime, *(need.target for need in needs))
+        return self._reserved + kept + sum(need.total for need in needs) + padding \
+            <= runtime.memory.budget
 
-    def _padding(self, live: list, runtime: Runtime, joining: int = 0) -> int:
+    def _padding(self, live: list, runtime: Runtime, *joining: int) -> int:
         """Bytes the shared decode batch will hold beyond its rows' own KV: mlx-lm's batch
         caches pad every row to the longest. Its rows: every admitted request (one
         decoding alone with its draft joins the batch when another does), each at its
-        reservation, and one of `joining` target bytes."""
+        reservation, and one per `joining` target bytes."""
         if runtime.batch_reason:
             return 0
         rows = [s.reserved.target for s in live if s.status in BATCH_BOUND]
-        rows += [joining] if joining else []
+        rows += [row for row in joining if row]
         return len(rows) * max(rows) - sum(rows) if len(rows) > 1 else 0
 
     def _count_memory(self, runtime: Runtime, caches: PrefixIndexes) -> None:
