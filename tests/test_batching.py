@@ -412,6 +412,16 @@ def test_short_prompts_waiting_together_are_prefilled_four_to_a_turn():
     assert {name: answers[name] for name in "BCDFG"} == solo
 
 
+async def _four_tokens(engine, order: list, name: str, prompt: list, **options) -> list:
+    """A stream's 4 tokens; `name` goes into `order` as each chunk with tokens arrives."""
+    tokens = []
+    async for chunk in engine.stream(prompt, max_tokens=4, **options):
+        if chunk.token_ids:
+            order.append(name)
+            tokens.extend(chunk.token_ids)
+    return tokens
+
+
 def test_a_cached_sessions_next_turn_is_not_held_back_by_a_long_prefill():
     """A prompt whose prefix is cached (an agent session's next turn) has little left to
     prefill: it is prefilled beside the units of a long prefill already under way, so
@@ -428,13 +438,8 @@ def test_a_cached_sessions_next_turn_is_not_held_back_by_a_long_prefill():
             await engine.generate(session, max_tokens=1)  # the session's first turn, cached
             prefilling = asyncio.Event()
 
-            async def follow(name, prompt, **options):
-                tokens = []
-                async for chunk in engine.stream(prompt, max_tokens=4, **options):
-                    if chunk.token_ids:
-                        order.append(name)
-                        tokens.extend(chunk.token_ids)
-                return tokens
+            def follow(name, prompt, **options):
+                return _four_tokens(engine, order, name, prompt, **options)
 
             long_task = asyncio.create_task(follow(
                 "long", long_prompt, cache_prompt=False,
@@ -468,13 +473,8 @@ def test_a_short_prefill_goes_ahead_only_where_it_delays_no_one():
             await engine.generate(session, max_tokens=1)  # cached: S has 20 tokens left
             prefilling = asyncio.Event()
 
-            async def follow(name, prompt, **options):
-                tokens = []
-                async for chunk in engine.stream(prompt, max_tokens=4, **options):
-                    if chunk.token_ids:
-                        order.append(name)
-                        tokens.extend(chunk.token_ids)
-                return tokens
+            def follow(name, prompt, **options):
+                return _four_tokens(engine, order, name, prompt, **options)
 
             a = asyncio.create_task(follow("A", first, cache_prompt=False, on_progress=lambda p:
                                            prefilling.set() if p.done else None))
