@@ -204,7 +204,8 @@ def run_case(model, draft_models: dict, tokenizer, case, keeps, step: int, rng,
                 row[name] = grade(text, dense)
                 row[f"{name}_cover"] = coverage(seen, case.needles)
                 row[f"{name}_kept"] = int(seen.size)
-                sized = kept if units == "blocks" else sized
+                if units == "blocks":
+                    sized = kept  # the random control's size
             if scorer == next(iter(draft_models)):
                 control = np.union1d(head, random_selection(
                     rng, len(case.ids), int(sized.size) - head.size, keep_pct=keep))

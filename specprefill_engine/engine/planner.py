@@ -90,6 +90,16 @@ def prompt_kind(state: RequestState, runtime: Runtime) -> str:
     return content_kind(runtime.tokenizer.decode(tokens.tolist()))
 
 
+def sparsify_floor(state: RequestState, runtime: Runtime, dense_hit: Optional[Hit]) -> int:
+    """The fewest tokens left after a cached prefix that are worth the draft: a chunk
+    and the tail, and for the automatic policy (or after a densified prefix, which a
+    turn as dense would run) the threshold."""
+    floor = runtime.config.chunk_size + runtime.config.tail_tokens
+    if state.specprefill is None or (dense_hit is not None and dense_hit.entry.densified):
+        floor = max(floor, state.threshold)
+    return floor
+
+
 def decide(state: RequestState, runtime: Runtime, caches: PrefixIndexes,
            dense_hit: Optional[Hit], continues: bool) -> tuple[bool, str]:
     """The request's choice, unless too little is left after `dense_hit`, a cached
@@ -102,9 +112,7 @@ def decide(state: RequestState, runtime: Runtime, caches: PrefixIndexes,
     if runtime.scorer is None:
         return False, "no draft model configured"
     length, config = state.tokens.size, runtime.config
-    floor = config.chunk_size + config.tail_tokens
-    if state.specprefill is None or (dense_hit is not None and dense_hit.entry.densified):
-        floor = max(floor, state.threshold)  # a densified prefix: a turn as dense would run it
+    floor = sparsify_floor(state, runtime, dense_hit)
     if dense_hit is not None and (continues or state.specprefill is None) \
             and length - dense_hit.cut < floor:  # not worth the draft
         return False, (f"only {length - dense_hit.cut} tokens to prefill after a cached "
@@ -590,8 +598,8 @@ def short_prefill_share(state: RequestState, runtime: Runtime,
         earlier = runtime.decisions.get(decision_key(state))
         # as `begin` runs it: dense as before, or too few tokens after the cached prefix
         may_score = not isinstance(earlier, str) and (
-            earlier is not None or hit is None or length - cached >= max(
-                config.chunk_size + config.tail_tokens, state.threshold))
+            earlier is not None or hit is None
+            or length - cached >= sparsify_floor(state, runtime, hit))
     if may_score or length - cached > config.step_size:
         return None
     weight = prefill_weight(runtime.model)

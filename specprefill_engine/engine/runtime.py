@@ -314,7 +314,8 @@ def make_draft_check(model_path: str, draft_path: str, model: nn.Module, draft: 
                                    "it on rank 0 alone)")
     key = {} if fixed is not None else {"target": _pair_identity(model_path, model),
                                         "draft": _pair_identity(draft_path, draft),
-                                        "settings": settings, "units": "blocks, the tail from a block"}
+                                        "settings": settings,
+                                        "units": "blocks, the tail from a block"}
     return DraftCheck(key, settings, config.keep, fixed, (draft_path, model_path))
 
 
