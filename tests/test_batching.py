@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import ROPE_CASES, build, kept_chunks, random_tokens, wrappers_left
+from models import ROPE_CASES, build, kept_chunks, random_tokens, tiny_model, wrappers_left
 from specprefill_engine import Engine
 from specprefill_engine.core import sparse_prefill_steps
 from specprefill_engine.core.scoring import run_steps
 from specprefill_engine.demo_tasks import make_case
 from specprefill_engine.core.prefill import align_buffers, prefill_chunk
+from specprefill_engine.engine import batch as batch_module
 from specprefill_engine.engine.batch import DecodeBatch, as_batch_of_one, batching_support
 from specprefill_engine.engine.state import Status
 
@@ -160,6 +161,70 @@ def test_rows_decode_from_buffers_of_whole_growth_steps_with_the_same_tokens():
     alone.add(1, None, caches[1], expected[1][0], 0)  # merged into a batch
     assert all(layer.keys.shape[2] % 256 == 0 and layer.keys.shape[2] > layer.size()
                for layer in alone.cache)
+
+
+def _prefilled(model, length: int, seed: int) -> list:
+    cache = make_prompt_cache(model)
+    model(random_tokens(length, seed=seed)[None], cache=cache)
+    align_buffers(cache)
+    mx.eval([layer.state for layer in cache])
+    return cache
+
+
+def _kv_bytes(cache: list) -> int:
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache)
+
+
+def test_a_join_holds_one_layers_copy_beside_the_batch_never_a_second_batch():
+    """A row joining a batch of three long rows: the memory above what was held before
+    peaks at the batch's growth and a fraction of the batch (a layer's copy and the row's
+    own batch-of-one copy), where copying every layer at once held the old batch whole
+    beside the new one (1.2 batches above the growth on this model)."""
+    model = tiny_model("llama", num_hidden_layers=8, num_key_value_heads=4, head_dim=64)
+    batch = DecodeBatch(model)
+    for handle, length in enumerate((600, 800, 700)):
+        batch.add(handle, None, _prefilled(model, length, handle), 5, 0)
+    held = _kv_bytes(batch.cache)
+    row = _prefilled(model, 760, 9)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    batch.add(3, None, row, 5, 0)
+    growth = _kv_bytes(batch.cache) - held
+    assert mx.get_peak_memory() - before < growth + held / 2
+
+
+def test_a_join_failing_part_way_leaves_the_batch_as_it_was(monkeypatch):
+    """The second layer's copy fails as a row joins: the first layer gives the row
+    back, the error reaches the caller, and the batch's rows decode the tokens they
+    decode where no row tried to join."""
+    model = build(ROPE_CASES["llama"])
+
+    def two_rows():
+        batch = DecodeBatch(model)
+        batch.add(0, None, _prefilled(model, 300, 1), 7, 0)
+        batch.add(1, None, _prefilled(model, 123, 2), 5, 0)
+        return batch
+
+    def decoded(batch):
+        return [batch.step()[0] for _ in range(4)]
+
+    expected = decoded(two_rows())
+    batch = two_rows()
+    aligned = []
+
+    def failing_second(cache):
+        aligned.append(cache)
+        if len(aligned) == 2:
+            raise RuntimeError("cannot allocate the copy")
+        align_buffers(cache)
+
+    monkeypatch.setattr(batch_module, "align_buffers", failing_second)
+    with pytest.raises(RuntimeError, match="cannot allocate"):
+        batch.add(2, None, _prefilled(model, 500, 3), 9, 0)
+    monkeypatch.undo()
+    assert batch.rows == [0, 1]
+    assert decoded(batch) == expected
 
 
 async def test_cancelling_one_row_leaves_the_others_and_seeded_rows_match_their_solo_runs():

@@ -44,13 +44,20 @@ def broadcast_tokens(tokens: mx.array, group) -> mx.array:
     return mx.distributed.all_sum(tokens.astype(mx.int32), group=group).astype(mx.uint32)
 
 
+class BatchLost(RuntimeError):
+    """The batch's caches could not be kept whole (a copy failed part way through its
+    layers): every row of the batch fails with it."""
+
+
 def as_batch_of_one(cache: list, shift: int) -> list:
     """A request's prompt cache as batch caches, its positions moved by `shift`."""
-    merged = [type(layer).merge([layer]) for layer in cache]
-    if shift:
-        for layer in merged:
-            if isinstance(layer, POSITIONED_CACHES):
-                layer.offset = layer.offset + shift
+    return [_row_layer(layer, shift) for layer in cache]
+
+
+def _row_layer(layer, shift: int):
+    merged = type(layer).merge([layer])
+    if shift and isinstance(merged, POSITIONED_CACHES):
+        merged.offset = merged.offset + shift
     return merged
 
 
@@ -127,50 +134,73 @@ class DecodeBatch:
 
     def add(self, handle: int, sampler: Optional[RowSampler], cache: list, first_token: int,
             shift: int) -> None:
-        """Join a row whose first token was already sampled and handed out. All or
-        nothing: if joining fails (the copy into the batch cache cannot be allocated), the
-        batch is as it was and the error is raised for this row alone.
+        """Join a row whose first token was already sampled and handed out.
+
+        The row's KV joins a layer at a time, each layer's copy evaluated before the
+        next is made, so a join holds one layer's copy beside the batch, never a second
+        batch. If joining fails (a copy cannot be allocated), the layers already joined
+        give the row back, the batch is as it was and the error is raised for this row
+        alone; where the batch cannot be put back (that too fails, or its compaction
+        failed part way), `BatchLost`.
 
         A lone row decodes on its plain cache, as mlx-lm's generate_step does, its
         positions moved by `shift` through the rope (a sparse prefill's row): a batch
         cache's mask and per-row offsets cost time per token there (on CUDA the masked
         attention is several times slower). The batch cache takes over when a second
-        row joins."""
-        layers = [_saved(layer) for layer in self.cache or []]
-        before = (self.slots, self.samplers, self.contexts, self._known, self.cache,
-                  self.inputs, self.plain, self.shift, self.logprobs)
+        row joins (a copy of one row, the lone one)."""
         try:
             self._compact()
-            token = mx.array([first_token], dtype=mx.uint32)
-            if self.cache is None:
-                self.cache, self.plain, self.shift = cache, True, shift
-                self.inputs = token
-            else:
-                if self.plain:
-                    self.cache, self.plain = as_batch_of_one(self.cache, self.shift), False
-                    self.shift = 0
-                for layer, other in zip(self.cache, as_batch_of_one(cache, shift)):
-                    layer.extend(other)
-                self.inputs = mx.concatenate([self.inputs, token])
-            if not self.plain:
-                align_buffers(self.cache)
-                mx.eval(self.inputs, [layer.state for layer in self.cache])
-        except BaseException:
-            for restore in layers:
-                restore()
-            (self.slots, self.samplers, self.contexts, self._known, self.cache, self.inputs,
-             self.plain, self.shift, self.logprobs) = before
-            raise
+        except BaseException as error:
+            raise BatchLost(f"compacting the decode batch failed: {error!r}") from error
+        token = mx.array([first_token], dtype=mx.uint32)
+        if self.cache is None:
+            self.cache, self.plain, self.shift, self.inputs = cache, True, shift, token
+        else:
+            if self.plain:
+                alone, self.cache = self.cache, as_batch_of_one(self.cache, self.shift)
+                try:
+                    align_buffers(self.cache)
+                    mx.eval([layer.state for layer in self.cache])
+                except BaseException:
+                    self.cache = alone
+                    raise
+                self.plain, self.shift = False, 0
+            self._join_layers(cache, shift)
+            self.inputs = mx.concatenate([self.inputs, token])
+            mx.eval(self.inputs)
         sampler = sampler or GREEDY
         self.slots = self.slots + [handle]
         self.samplers = self.samplers + [sampler]
         self.contexts = self.contexts + [TokenBuffer() if sampler.processors else None]
         self._known = self._known + [True]
 
+    def _join_layers(self, cache: list, shift: int) -> None:
+        """Each batch layer extended by the row's, one layer evaluated at a time; a
+        failure undoes the layers joined so far (`filter` to the batch's rows)."""
+        rows = mx.arange(len(self.slots))
+        for joined, (layer, own) in enumerate(zip(self.cache, cache)):
+            restore = _saved(layer)
+            try:
+                layer.extend(_row_layer(own, shift))
+                align_buffers([layer])
+                mx.eval(layer.state)
+            except BaseException as error:
+                restore()
+                try:
+                    for done in self.cache[:joined]:
+                        done.filter(rows)
+                        mx.eval(done.state)
+                except BaseException as lost:
+                    raise BatchLost(f"a failed join could not be undone: {lost!r}") from error
+                raise
+
     def step(self) -> tuple[list, dict]:
         """Queue one forward for every slot; return the tokens sampled by the previous
         step, (handle, token, TokenLogprob or None) for each row, now that they are
-        needed, and the rows whose processors failed in this one (handle -> error)."""
+        needed, and the rows whose processors failed in this one (handle -> error).
+        Half the slots vacant: the batch is compacted first."""
+        if 2 * self.slots.count(None) >= len(self.slots):
+            self._compact()
         inputs = self.inputs
         with positioned_rope(self.model, shift=self.shift) if self.shift else nullcontext():
             logits = logits_of(self.model(inputs[:, None], cache=self.cache))[:, -1, :]
@@ -215,7 +245,8 @@ class DecodeBatch:
         return cut_cache([layer.extract(index) for layer in self.cache], count)
 
     def remove(self, leaving: set) -> None:
-        """Rows leave (finished or aborted); their cache rows go at the next compaction."""
+        """Rows leave (finished or aborted); their cache rows go at the next compaction
+        (a join, or a step with half the slots vacant)."""
         self.slots = [None if handle in leaving else handle for handle in self.slots]
         self.samplers = [GREEDY if handle is None else sampler
                          for handle, sampler in zip(self.slots, self.samplers)]
@@ -224,26 +255,25 @@ class DecodeBatch:
         if not self.rows:
             self.slots, self.samplers, self.contexts, self._known = [], [], [], []
             self.cache = self.inputs = self.logprobs = None
-        elif 2 * self.slots.count(None) >= len(self.slots):
-            self._compact()
 
     def _compact(self) -> None:
+        """The vacant slots' cache rows dropped, a layer evaluated at a time (one layer's
+        copy beside the batch); the slots' lists follow once every layer is done."""
         occupied = [i for i, handle in enumerate(self.slots) if handle is not None]
         if len(occupied) == len(self.slots):
             return
+        indices = mx.array(occupied, dtype=mx.int32)
+        if not self.plain:
+            for layer in self.cache:
+                layer.filter(indices)
+                mx.eval(layer.state)
+        self.inputs = self.inputs[indices]
+        if self.logprobs is not None:
+            self.logprobs = tuple(a[indices] for a in self.logprobs)
         self.slots = [self.slots[i] for i in occupied]
         self.samplers = [self.samplers[i] for i in occupied]
         self.contexts = [self.contexts[i] for i in occupied]
         self._known = [self._known[i] for i in occupied]
-        if not occupied:
-            self.cache = self.inputs = self.logprobs = None
-            return
-        indices = mx.array(occupied, dtype=mx.int32)
-        for layer in self.cache:
-            layer.filter(indices)
-        self.inputs = self.inputs[indices]
-        if self.logprobs is not None:
-            self.logprobs = tuple(a[indices] for a in self.logprobs)
 
 
 class SoloDecode:

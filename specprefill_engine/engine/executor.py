@@ -36,7 +36,7 @@ from ..core.quantized_kv import QuantizedKV, cut_cache
 from ..core.scoring import DraftScorer, capture_window, importance_of, lookahead_step, scored_sites
 from ..core.sparse_prefill import decode_shift
 from ..core.windows import SlidingWindows
-from .batch import DecodeBatch, SoloDecode
+from .batch import BatchLost, DecodeBatch, SoloDecode
 from .kv_store import KVStore, checkpointed, snapshot
 from .plan import Restore, TurnPlan
 from .sampling import RowSampler, read_logprobs, sample_rows
@@ -224,9 +224,21 @@ class Executor:
         except Exception as error:
             outcome.failed[handle] = error
             self._release(handle)
+            self._lose_batch(error, outcome)
             return False
         row.cache, row.group = None, group
         return True
+
+    def _lose_batch(self, error: Exception, outcome: TurnOutcome) -> None:
+        """After `BatchLost` every row of the shared batch fails with it (on a sharded
+        target the ranks could not agree on the rows: the worker fails)."""
+        if not isinstance(error, BatchLost):
+            return
+        if self.group is not None:
+            raise error
+        for handle in list(self.batch.rows):
+            outcome.failed[handle] = error
+            self._release(handle)
 
     def _demote(self, handle: int, outcome: TurnOutcome) -> None:
         """A speculative row into the shared batch (another request joins), its target
@@ -238,6 +250,7 @@ class Executor:
         except Exception as error:
             outcome.failed[handle] = error
             self._release(handle)
+            self._lose_batch(error, outcome)
             return
         row.group = self.batch
 

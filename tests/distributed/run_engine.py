@@ -217,7 +217,10 @@ async def main():
     if SCENARIO == "solo":
         engine = Engine(model=TARGET, draft=str(DEMO_DRAFT), max_batch_size=4, step_size=256)
     else:
-        engine = Engine(max_batch_size=4, step_size=256, rank_timeout=5)
+        # a short watchdog only where a rank is made to stop answering; elsewhere a slow
+        # turn on a loaded machine must not read as a lost rank
+        engine = Engine(max_batch_size=4, step_size=256,
+                        rank_timeout=5 if SCENARIO == "lost" else 120)
     with open(f"{OUT}.pid{engine.rank}", "w") as f:
         f.write(str(os.getpid()))
     await engine.start()
