@@ -500,7 +500,7 @@ async def send(client: httpx.AsyncClient, url: str, session: dict, request: dict
               "shared_previous": request.get(
                   "shared_previous"), "shared_other": request.get("shared_other"),
               "tool_choice": request.get("tool_choice"), "header": bool(request["header"])}
-    reply, sent, first = Reply(api), time.perf_counter(), None
+    reply, sent, first, last = Reply(api), time.perf_counter(), None, None
     try:
         async with client.stream("POST", url + PATHS[api], json=body, headers=headers,
                                  timeout=timeout) as response:
@@ -532,10 +532,12 @@ async def send(client: httpx.AsyncClient, url: str, session: dict, request: dict
                 if isinstance(report, dict):  # serve's report: what reuse chose, and why
                     record["report"] = {k: report.get(k) for k in ("engaged", "reason", "reuse",
                                                                    "kept_tokens", "total_tokens")}
-                if reply.content(event) and first is None:
-                    first = time.perf_counter()
-                    if mode == "cancel":
-                        break
+                if reply.content(event):
+                    last = time.perf_counter()
+                    if first is None:
+                        first = last
+                        if mode == "cancel":
+                            break
     except httpx.HTTPError as error:
         record["failures"].append(f"transport: {type(error).__name__}: {error}"[:200])
         return record
@@ -551,8 +553,9 @@ async def send(client: httpx.AsyncClient, url: str, session: dict, request: dict
     record["failures"] += problems(reply, names, request["after_tool"])
     record["notes"] = notes_on(record)
     tokens = record["completion_tokens"] or 0
-    if first and tokens > 1 and end > first:
-        record["decode_tok_s"] = (tokens - 1) / (end - first)
+    if first and tokens > 1 and last > first:  # a reply that came in one event (a tool
+        # call, sent whole by both servers) has no decode rate to read
+        record["decode_tok_s"] = (tokens - 1) / (last - first)
     return record
 
 

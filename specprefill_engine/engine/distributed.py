@@ -14,6 +14,10 @@ for the decode step in flight). The tokens a decode step samples travel inside t
 step's graph (an `all_sum` of rank 0's tokens and the others' zeros), so decode stays
 pipelined. A group of size 1 is no group: the single-process engine sends nothing.
 
+A rank waiting for the next plan blocks on a doorbell (`doorbell.py`) before the
+plan's collective: the ring backend polls while it waits, which would keep a core busy
+on every other rank for as long as rank 0 has no plan.
+
 Liveness: a rank that exits or fails (a follower's error ends its process) breaks the
 ring, and rank 0's next collective raises; rank 0 then fails every request and shuts
 down. A rank that stops answering without exiting is caught by `Watchdog`: a turn that
@@ -28,6 +32,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
+from .doorbell import Doorbell
 from .plan import TurnPlan, decode_plan, encode_plan
 
 logger = logging.getLogger(__name__)
@@ -46,11 +51,18 @@ def agree(group, failed: bool) -> int:
 
 
 class Channel:
-    """Rank 0 posts each turn's plan; the other ranks receive it."""
+    """Rank 0 posts each turn's plan; the other ranks receive it, woken by a
+    `Doorbell` (set up with the first plan) rather than polling in the collective."""
 
     def __init__(self, group):
         self.group = group
         self._in_flight: Optional[mx.array] = None  # rank 0's last posted broadcast
+        self._doorbell: Optional[Doorbell] = None
+
+    def _bell(self) -> Doorbell:
+        if self._doorbell is None:
+            self._doorbell = Doorbell(self.group, agree)
+        return self._doorbell
 
     def _post(self, values: np.ndarray) -> None:
         sent = mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group)
@@ -59,17 +71,20 @@ class Channel:
 
     def post(self, plan: TurnPlan) -> None:
         body = encode_plan(plan)
+        self._bell().ring()
         self._post(np.array([body.size], np.int32))
         if body.size:
             self._post(body)
         if plan.shutdown:
             mx.eval(self._in_flight)  # delivered before this rank moves on or exits
+            self._bell().close()
 
     def _exchange(self, size: int) -> np.ndarray:
         zeros = mx.zeros((size,), dtype=mx.int32)
         return np.array(mx.distributed.all_sum(zeros, group=self.group))
 
     def receive(self) -> TurnPlan:
+        self._bell().wait()
         size = int(self._exchange(1)[0])
         return decode_plan(self._exchange(size)) if size else TurnPlan()
 

@@ -199,6 +199,16 @@ async def lost(engine) -> dict:
     return {"error": error, "later": later}
 
 
+IDLE_SECONDS = 2.0
+
+
+def follower_cpu_seconds() -> float:
+    """Rank 1's process's CPU time so far (user and system, from /proc)."""
+    pid = Path(f"{OUT}.pid1").read_text()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 SCENARIOS = {"outputs": outputs, "cancel": cancel, "solo": solo, "faults": faults, "lost": lost}
 
 
@@ -228,6 +238,11 @@ async def main():
         f.write("")
     payload = {"ranks": engine.ranks}
     payload.update(await SCENARIOS[SCENARIO](engine))
+    if SCENARIO == "outputs" and engine.ranks > 1:  # the engine idle: what rank 1 spends
+        await asyncio.sleep(1.0)  # after what idle time is for (densify)
+        used = follower_cpu_seconds()
+        await asyncio.sleep(IDLE_SECONDS)
+        payload["idle_cpu_s"] = follower_cpu_seconds() - used
     with open(OUT, "w") as f:
         json.dump(payload, f)
     await engine.shutdown(timeout=5)
