@@ -536,6 +536,9 @@ async def send(client: httpx.AsyncClient, url: str, session: dict, request: dict
                     last = time.perf_counter()
                     if first is None:
                         first = last
+                        # a reply that opens with a call shows nothing before the call's
+                        # end: both servers send a call whole, once it parses
+                        record["first_kind"] = "text" if "".join(reply.text) else "call"
                         if mode == "cancel":
                             break
     except httpx.HTTPError as error:
@@ -727,11 +730,19 @@ def percentile(values: list, q: float) -> Optional[float]:
     return values[max(0, math.ceil(q * len(values)) - 1)]
 
 
+def opens_with_text(record: dict) -> bool:
+    """The reply's first content was text (records written before `first_kind` was
+    kept: it has text at all; these models write their text before their calls)."""
+    kind = record.get("first_kind")
+    return kind == "text" if kind else bool((record.get("text") or "").strip())
+
+
 def summarize(records: list) -> dict:
     """Requests, failures, TTFT p50 / p99, decode tokens/s, cache shares of `records`."""
     done = [r for r in records if r["attempt"] in ("full", "retry")]
     ok = [r for r in done if not r["failures"] and r["status"] == 200]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    text_ttft = [r["ttft"] for r in ok if r["ttft"] is not None and opens_with_text(r)]
     decode = [r["decode_tok_s"] for r in ok if r.get("decode_tok_s")]
     first_share, later, later_header, unreported = [], [], [], 0
     of_previous = {False: [], True: []}
@@ -765,6 +776,8 @@ def summarize(records: list) -> dict:
                   for n in sorted({n for r in records for n in r.get("notes", [])})},
         "retry_differs": sum(bool(r.get("retry_differs")) for r in records),
         "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
+        # the replies whose first token the client sees as it comes (they open with text)
+        "text_ttft_p50": percentile(text_ttft, 0.5), "text_ttft_p99": percentile(text_ttft, 0.99),
         "decode_tok_s": statistics.median(decode) if decode else None,
         # cached / the tokens it shares with earlier sessions of its kind (first requests)
         "first_turn_cached_share": statistics.mean(first_share) if first_share else None,
@@ -859,18 +872,21 @@ def fmt(value, scale=1.0, digits=2) -> str:
 
 
 def table(runs: list) -> str:
-    lines = ["| sessions | server | repeat | wall s | TTFT p50 s | TTFT p99 s | decode tok/s "
+    lines = ["| sessions | server | repeat | wall s | TTFT p50 s | TTFT p99 s "
+             "| text-first TTFT p50 / p99 s | decode tok/s "
              "| 1st turn cached | later turns: cached / shared min, cached / previous prompt "
              "| with header: cached / shared min, cached / previous prompt "
              "| requests | failures | retry differs | solo differs | peak RSS MB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-             "| --- |"]
+             "| --- | --- |"]
     for run in runs:
         s = run["summary"]
         solo = run.get("solo")
         lines.append(
             f"| {run['sessions']} | {run['server']} | {run.get('repeat', 0)} | {run['wall']:.1f} "
-            f"| {fmt(s['ttft_p50'])} | {fmt(s['ttft_p99'])} | {fmt(s['decode_tok_s'], digits=0)} "
+            f"| {fmt(s['ttft_p50'])} | {fmt(s['ttft_p99'])} "
+            f"| {fmt(s.get('text_ttft_p50'))} / {fmt(s.get('text_ttft_p99'))} "
+            f"| {fmt(s['decode_tok_s'], digits=0)} "
             f"| {fmt(s['first_turn_cached_share'])} | {fmt(s['later_turn_cached_share_min'])}, "
             f"{fmt(s['later_turn_cached_of_previous_median'])} "
             f"| {fmt(s['header_later_turn_cached_share_min'])}, "
@@ -944,6 +960,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--workdir", help="servers' folders and logs (default: a temp dir, "
                         "removed at the end)")
     parser.add_argument("--json", help="write every run, record and summary here")
+    parser.add_argument("--summarize", nargs="+", metavar="FILE", help="print the table of "
+                        "runs saved with --json, summarized as this version does; run nothing")
     args = parser.parse_args(argv)
     preset = SMALL if args.small else DEFAULTS
     for key, value in preset.items():
@@ -976,6 +994,11 @@ def commit() -> str:
 
 def main(argv=None) -> dict:
     args = parse(argv)
+    if args.summarize:
+        runs = [dict(run, summary=summarize(run["records"]))
+                for path in args.summarize for run in json.loads(Path(path).read_text())["runs"]]
+        print(table(runs))
+        return {"runs": runs}
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="sessions-"))
     workdir.mkdir(parents=True, exist_ok=True)
     all_sessions = build_sessions(args, max(args.sessions))

@@ -46,6 +46,16 @@ def test_every_request_ends_well(smoke):
             assert r["completion_tokens"] and r["prompt_tokens"] == r["served_ids"], r
             assert r["cached_tokens"] is not None, r  # every API reports its cache reads
     assert run["summary"]["failures"] == 0 and run["summary"]["retry_differs"] == 0
+    opened = {r.get("first_kind") for r in records if r["attempt"] == "full"}
+    assert opened <= {"text", "call"} and run["summary"]["text_ttft_p99"] is not None
+
+
+def test_saved_runs_summarize_again_as_they_were(smoke, tmp_path):
+    run, _, saved = smoke
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(saved))
+    (again,) = sessions.main(["--summarize", str(path)])["runs"]
+    assert again["summary"] == run["summary"]
 
 
 def test_tool_calls_parse_and_no_stray_token_after_a_tool_result(smoke):
