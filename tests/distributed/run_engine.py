@@ -239,7 +239,11 @@ async def main():
     payload = {"ranks": engine.ranks}
     payload.update(await SCENARIOS[SCENARIO](engine))
     if SCENARIO == "outputs" and engine.ranks > 1:  # the engine idle: what rank 1 spends
-        await asyncio.sleep(1.0)  # after what idle time is for (densify)
+        for _ in range(300):  # after what idle time is for (densify)
+            if not engine.stats()["densify"].pending:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)  # its last unit ends
         used = follower_cpu_seconds()
         await asyncio.sleep(IDLE_SECONDS)
         payload["idle_cpu_s"] = follower_cpu_seconds() - used
