@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 SETUP_TIMEOUT = 10.0  # seconds to connect or to accept every rank
 
 
-def _own_address() -> Optional[str]:
+def _rank0_address() -> Optional[str]:
     """Rank 0's address in the ring's host file, or None without one."""
     try:
         with open(os.environ["MLX_HOSTFILE"]) as f:
@@ -47,7 +47,7 @@ class Doorbell:
         self.sockets: list = []  # rank 0: one per other rank; others: the one to rank 0
         failed, listener, token = False, None, [0, 0]
         if self.rank == 0:
-            address = _own_address()
+            address = _rank0_address()
             try:
                 if address is None:
                     raise OSError("no MLX_HOSTFILE")
@@ -59,7 +59,7 @@ class Doorbell:
                 failed, port = True, 0
             sent = [port, *token]
         else:
-            address, sent = _own_address(), [0, 0, 0]
+            address, sent = _rank0_address(), [0, 0, 0]
         port, *token = (int(v) for v in mx.distributed.all_sum(
             mx.array(sent, dtype=mx.int32), group=group).tolist())
         try:
