@@ -227,6 +227,33 @@ def test_a_join_failing_part_way_leaves_the_batch_as_it_was(monkeypatch):
     assert decoded(batch) == expected
 
 
+def test_a_row_that_leaves_gives_back_its_slot_and_the_others_padding_at_the_next_step():
+    """The longest of three rows leaves: at the next step the batch holds two rows at the
+    length of the longer of them (no vacant slot, no left padding kept for the row that
+    left), and they decode what they decode in a batch the long row was never in."""
+    model = build(ROPE_CASES["llama"])
+
+    def batch_of(*rows):
+        batch = DecodeBatch(model)
+        for handle, (length, seed, token) in rows:
+            batch.add(handle, None, _prefilled(model, length, seed), token, 0)
+        return batch
+
+    short = [(1, (300, 2, 5)), (2, (400, 3, 9))]
+    expected = batch_of(*short)
+    batch = batch_of((0, (1200, 1, 7)), *short)
+    for _ in range(2):
+        expected.step(), batch.step()
+    batch.remove({0})
+    got, want = batch.step()[0], expected.step()[0]
+    assert batch.slots == [1, 2]
+    assert all(layer.keys.shape[2] <= 512 for layer in batch.cache)  # 1,280 before
+    for _ in range(3):
+        got += batch.step()[0]
+        want += expected.step()[0]
+    assert got == want
+
+
 async def test_cancelling_one_row_leaves_the_others_and_seeded_rows_match_their_solo_runs():
     async with Engine() as engine:
         tokenizer = engine.tokenizer

@@ -106,9 +106,11 @@ class DecodeBatch:
     """The rows decoding together (by handle), their batch caches and their next input
     tokens. On rank 0 each row has its `RowSampler`; the other ranks sample nothing.
 
-    A leaving row's slot stays (decoding costs no more for one row more) until half
-    the slots are vacant or a row joins: compacting copies the whole batch's KV, and
-    rows that started at different times leave at different steps.
+    A leaving row's slot goes at the next step or join (`_compact`): a vacant slot, and
+    the left padding the others keep while a longer row stays, would hold memory the
+    budget no longer counts, and the batch's length would keep growing with the steps.
+    Compacting copies the batch's KV once, a layer at a time: about what two decode
+    steps read.
     """
 
     def __init__(self, model: nn.Module, group=None, sampling: bool = True):
@@ -198,9 +200,8 @@ class DecodeBatch:
         """Queue one forward for every slot; return the tokens sampled by the previous
         step, (handle, token, TokenLogprob or None) for each row, now that they are
         needed, and the rows whose processors failed in this one (handle -> error).
-        Half the slots vacant: the batch is compacted first."""
-        if 2 * self.slots.count(None) >= len(self.slots):
-            self._compact()
+        A slot left vacant: the batch is compacted first."""
+        self._compact()
         inputs = self.inputs
         with positioned_rope(self.model, shift=self.shift) if self.shift else nullcontext():
             logits = logits_of(self.model(inputs[:, None], cache=self.cache))[:, -1, :]
@@ -245,8 +246,7 @@ class DecodeBatch:
         return cut_cache([layer.extract(index) for layer in self.cache], count)
 
     def remove(self, leaving: set) -> None:
-        """Rows leave (finished or aborted); their cache rows go at the next compaction
-        (a join, or a step with half the slots vacant)."""
+        """Rows leave (finished or aborted); their cache rows go at the next step or join."""
         self.slots = [None if handle in leaving else handle for handle in self.slots]
         self.samplers = [GREEDY if handle is None else sampler
                          for handle, sampler in zip(self.slots, self.samplers)]
