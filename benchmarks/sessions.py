@@ -532,6 +532,10 @@ async def send(client: httpx.AsyncClient, url: str, session: dict, request: dict
                 if isinstance(report, dict):  # serve's report: what reuse chose, and why
                     record["report"] = {k: report.get(k) for k in ("engaged", "reason", "reuse",
                                                                    "kept_tokens", "total_tokens")}
+                    timings = event.get("timings") or (event.get("response") or {}).get("timings")
+                    if isinstance(timings, dict):  # where the wait went, on the server
+                        record["server_timings"] = {k: timings.get(k) for k in (
+                            "queue_wait", "prefill", "time_to_first_token")}
                 if reply.content(event):
                     last = time.perf_counter()
                     if first is None:
@@ -743,6 +747,8 @@ def summarize(records: list) -> dict:
     ok = [r for r in done if not r["failures"] and r["status"] == 200]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     text_ttft = [r["ttft"] for r in ok if r["ttft"] is not None and opens_with_text(r)]
+    waits = [r["server_timings"]["queue_wait"] for r in ok
+             if (r.get("server_timings") or {}).get("queue_wait") is not None]
     decode = [r["decode_tok_s"] for r in ok if r.get("decode_tok_s")]
     first_share, later, later_header, unreported = [], [], [], 0
     of_previous = {False: [], True: []}
@@ -779,6 +785,8 @@ def summarize(records: list) -> dict:
         # the replies whose first token the client sees as it comes (they open with text)
         "text_ttft_p50": percentile(text_ttft, 0.5), "text_ttft_p99": percentile(text_ttft, 0.99),
         "decode_tok_s": statistics.median(decode) if decode else None,
+        # serve's own count: seconds a request waited for admission (memory, batch size)
+        "queue_wait_p99": percentile(waits, 0.99),
         # cached / the tokens it shares with earlier sessions of its kind (first requests)
         "first_turn_cached_share": statistics.mean(first_share) if first_share else None,
         # cached / the tokens a later request shares with its session's previous one

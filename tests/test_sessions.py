@@ -48,6 +48,8 @@ def test_every_request_ends_well(smoke):
     assert run["summary"]["failures"] == 0 and run["summary"]["retry_differs"] == 0
     opened = {r.get("first_kind") for r in records if r["attempt"] == "full"}
     assert opened <= {"text", "call"} and run["summary"]["text_ttft_p99"] is not None
+    timed = {r["api"] for r in records if r.get("server_timings")}
+    assert timed == {"openai", "anthropic", "responses"}  # serve's timings, on every API
 
 
 def test_saved_runs_summarize_again_as_they_were(smoke, tmp_path):
