@@ -39,8 +39,8 @@ def _rank0_address() -> Optional[str]:
 
 
 class Doorbell:
-    """Rank 0 rings (`ring`); the other ranks wait for it (`wait`). `open` is False
-    where it could not be set up: then neither does anything."""
+    """Rank 0 rings (`ring`); the other ranks wait for it (`wait`). Where it could not
+    be set up on every rank it holds no connection, and neither does anything."""
 
     def __init__(self, group, agree):
         self.group, self.rank = group, group.rank()
@@ -76,8 +76,7 @@ class Doorbell:
         finally:
             if listener is not None:
                 listener.close()
-        self.open = agree(group, failed) == 0
-        if not self.open:
+        if agree(group, failed):
             self.close()
 
     def _accept(self, listener, token: list) -> None:
