@@ -310,6 +310,30 @@ def with_opening(tokenizer, chat: Rendered, opening: str) -> Rendered:
                                protected=np.concatenate([protected, np.ones(ids.size, bool)]))
 
 
+def needles_kept(engine, tokenizer, case, prompt: Rendered):
+    """The share of the case's needle tokens (what its answer needs) in the view the
+    engine kept for its last SpecPrefill request, found by their text in the rendered
+    prompt (None where not found)."""
+    views = engine._worker.runtime.decisions.records  # the engine's record of its plans
+    kept = next(reversed(views.values()), None) if views else None
+    if not isinstance(kept, np.ndarray):
+        return None
+    pieces = [tokenizer.decode([int(t)]) for t in prompt.tokens]
+    ends = np.cumsum([len(piece) for piece in pieces])
+    text, view = "".join(pieces), np.zeros(len(pieces), bool)
+    view[kept] = True
+    needed = seen = 0
+    for a, b in case.needles:
+        at = text.find(tokenizer.decode(case.ids[a:b]).strip())
+        if at < 0:
+            return None
+        first = int(np.searchsorted(ends, at, side="right"))
+        last = int(np.searchsorted(ends, at + len(tokenizer.decode(case.ids[a:b]).strip())))
+        needed += last + 1 - first
+        seen += int(view[first : last + 1].sum())
+    return round(seen / needed, 3) if needed else None
+
+
 def engine_run(args) -> None:
     """The engine's rows (`--engine`), one JSON line per case and placement."""
     from specprefill_engine import Engine
@@ -353,6 +377,8 @@ def engine_run(args) -> None:
                             row[f"{method}_kept"] = report.kept_tokens
                             if method == "default":
                                 row["default_reason"] = report.reason
+                        row["forced_needles_kept"] = needles_kept(
+                            engine, tokenizer, case, prompt) if row["forced_engaged"] else None
                         row["forced_keep"] = keep
                         with out.open("a") as f:
                             f.write(json.dumps(row) + "\n")
@@ -370,17 +396,22 @@ def engine_table(rows: list) -> str:
         group = "code" if r["kind"] in code_tasks.KINDS else "prose"
         cells.setdefault((r["model"], r["length"], group, r["placement"]), []).append(r)
     lines = ["| model | length | content | placement | n | dense right | default: engaged; "
-             "right; held | forced keep: right; held |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "right; held | forced keep: right; held | forced lost: needles in the view |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (model, length, group, placement), cell in sorted(cells.items()):
         dense = sum(r["dense"] for r in cell)
         right = {m: sum(r[m] for r in cell) for m in ("default", "forced")}
         held = {m: sum(r[m] for r in cell if r["dense"]) for m in ("default", "forced")}
         engaged = sum(r["default_engaged"] for r in cell)
+        lost = [r for r in cell if r["dense"] and not r["forced"]]
+        views = [r.get("forced_needles_kept") for r in lost]
+        whole = sum(view == 1.0 for view in views)
         keep = cell[0]["forced_keep"]
         lines.append(f"| {model} | {length} | {group} | {placement} | {len(cell)} | {dense} | "
                      f"{engaged} of {len(cell)}; {right['default']}; {held['default']} of "
-                     f"{dense} | {keep}: {right['forced']}; {held['forced']} of {dense} |")
+                     f"{dense} | {keep}: {right['forced']}; {held['forced']} of {dense} | "
+                     f"{len(lost)}: whole in {whole}, measured in "
+                     f"{sum(view is not None for view in views)} |")
     return "\n".join(lines)
 
 
