@@ -904,6 +904,38 @@ def table(runs: list) -> str:
     return "\n".join(lines)
 
 
+def clean_text_ttft(records: list) -> dict:
+    """(session, turn, attempt) -> TTFT of each request answered well-formed (no
+    failure) whose reply opened with text."""
+    return {(r["session"], r["turn"], r["attempt"]): r["ttft"] for r in records
+            if r["attempt"] in ("full", "retry") and r["status"] == 200 and not r["failures"]
+            and r["ttft"] is not None and opens_with_text(r)}
+
+
+def paired(runs: list) -> str:
+    """TTFT over the same requests: per N and repeat, the first run's server against each
+    other's, over the requests both answered well-formed with text first (a reply one
+    server sends as a call and the other as text, or one it fails, is left out)."""
+    lines = ["| sessions | servers | requests both answered with text | TTFT p50 s | "
+             "TTFT p99 s |", "| --- | --- | --- | --- | --- |"]
+    groups = {}
+    for run in runs:
+        groups.setdefault((run["sessions"], run.get("repeat", 0)), []).append(run)
+    for (n, _), group in groups.items():
+        first = clean_text_ttft(group[0]["records"])
+        for other in group[1:]:
+            theirs = clean_text_ttft(other["records"])
+            both = sorted(first.keys() & theirs.keys())
+            if not both:
+                continue
+            a, b = [first[k] for k in both], [theirs[k] for k in both]
+            lines.append(
+                f"| {n} | {group[0]['server']} / {other['server']} | {len(both)} "
+                f"| {fmt(percentile(a, 0.5))} / {fmt(percentile(b, 0.5))} "
+                f"| {fmt(percentile(a, 0.99))} / {fmt(percentile(b, 0.99))} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def build_sessions(args, n: int) -> list:
     from mlx_lm.utils import load_tokenizer
 
@@ -1006,6 +1038,7 @@ def main(argv=None) -> dict:
         runs = [dict(run, summary=summarize(run["records"]))
                 for path in args.summarize for run in json.loads(Path(path).read_text())["runs"]]
         print(table(runs))
+        print(paired(runs))
         return {"runs": runs}
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="sessions-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -1019,7 +1052,7 @@ def main(argv=None) -> dict:
     def save():
         if args.json:
             result = {"args": dict(vars(args)), "commit": commit(), "runs": runs,
-                      "table": table(runs),
+                      "table": table(runs), "paired": paired(runs),
                       "solo": {k: {kk: vv for kk, vv in v.items() if kk != "log_tail"}
                                for k, v in solo.items()}}
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -1062,8 +1095,10 @@ def main(argv=None) -> dict:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     print(table(runs))
+    print(paired(runs))
     save()
-    return {"args": dict(vars(args)), "runs": runs, "solo": solo, "table": table(runs)}
+    return {"args": dict(vars(args)), "runs": runs, "solo": solo, "table": table(runs),
+            "paired": paired(runs)}
 
 
 if __name__ == "__main__":

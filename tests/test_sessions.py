@@ -60,6 +60,23 @@ def test_saved_runs_summarize_again_as_they_were(smoke, tmp_path):
     assert again["summary"] == run["summary"]
 
 
+def test_paired_ttft_counts_only_requests_both_answered_with_text(smoke):
+    run, solo, _ = smoke
+    loaded, alone = sessions.clean_text_ttft(run["records"]), sessions.clean_text_ttft(
+        solo["records"])
+    both = loaded.keys() & alone.keys()
+    assert both  # the same sessions, the same (session, turn, attempt) keys
+    other = dict(solo, sessions=run["sessions"], repeat=run.get("repeat", 0), server="alone")
+    line = sessions.paired([run, other]).splitlines()[-1]
+    assert f"| {len(both)} |" in line
+    # a request the other server answered with a call, or failed, is not compared
+    first = sorted(both)[0]
+    changed = [dict(r, first_kind="call") if (r["session"], r["turn"], r["attempt"]) == first
+               else r for r in solo["records"]]
+    line = sessions.paired([run, dict(other, records=changed)]).splitlines()[-1]
+    assert f"| {len(both) - 1} |" in line
+
+
 def test_tool_calls_parse_and_no_stray_token_after_a_tool_result(smoke):
     run, _, _ = smoke
     done = [r for r in run["records"] if r["attempt"] in ("full", "retry")]
