@@ -36,6 +36,7 @@ SpecPrefill off (`dense`) and forced at `--keeps` (`forced`, 0.3 unless given), 
 message and, with `--placements user tool`, as the result of a `read_file` tool call (a
 coding agent's shape: a system prompt, the tool's schema, the call, the file). One engine
 serves all three rows; the dense and forced rows neither read nor fill its prefix cache.
+`--match-weight W` gives the engine `match_weight=W` (the question's matches, every row).
 
     python benchmarks/quality.py --engine --model qwen2.5-coder-1.5b \
         --draft qwen2.5-coder-0.5b --kinds code_return code_far passkey multikey \
@@ -346,7 +347,7 @@ def engine_run(args) -> None:
     target, draft = (str(load_folder(name, args.folder, path_only=True))
                      for name in (args.model[0], args.draft))
     keep, started = args.keeps[0], time.perf_counter()
-    with Engine(model=target, draft=draft) as engine:
+    with Engine(model=target, draft=draft, match_weight=args.match_weight) as engine:
         tokenizer = engine.tokenizer
         for seed in range(args.repeats):
             for length in args.lengths:
@@ -379,7 +380,7 @@ def engine_run(args) -> None:
                                 row["default_reason"] = report.reason
                         row["forced_needles_kept"] = needles_kept(
                             engine, tokenizer, case, prompt) if row["forced_engaged"] else None
-                        row["forced_keep"] = keep
+                        row["forced_keep"], row["match_weight"] = keep, args.match_weight
                         with out.open("a") as f:
                             f.write(json.dumps(row) + "\n")
                         chose = "engaged" if row["default_engaged"] else "declined"
@@ -394,7 +395,9 @@ def engine_table(rows: list) -> str:
     cells = {}
     for r in rows:
         group = "code" if r["kind"] in code_tasks.KINDS else "prose"
-        cells.setdefault((r["model"], r["length"], group, r["placement"]), []).append(r)
+        model = r["model"] + (f" (match_weight {r['match_weight']})"
+                              if r.get("match_weight") else "")
+        cells.setdefault((model, r["length"], group, r["placement"]), []).append(r)
     lines = ["| model | length | content | placement | n | dense right | default: engaged; "
              "right; held | forced keep: right; held | forced lost: needles in the view |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
