@@ -325,11 +325,12 @@ def needles_kept(engine, tokenizer, case, prompt: Rendered):
     view[kept] = True
     needed = seen = 0
     for a, b in case.needles:
-        at = text.find(tokenizer.decode(case.ids[a:b]).strip())
+        needle = tokenizer.decode(case.ids[a:b]).strip()
+        at = text.find(needle)
         if at < 0:
             return None
         first = int(np.searchsorted(ends, at, side="right"))
-        last = int(np.searchsorted(ends, at + len(tokenizer.decode(case.ids[a:b]).strip())))
+        last = int(np.searchsorted(ends, at + len(needle)))
         needed += last + 1 - first
         seen += int(view[first : last + 1].sum())
     return round(seen / needed, 3) if needed else None

@@ -746,7 +746,7 @@ def summarize(records: list) -> dict:
     done = [r for r in records if r["attempt"] in ("full", "retry")]
     ok = [r for r in done if not r["failures"] and r["status"] == 200]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
-    text_ttft = [r["ttft"] for r in ok if r["ttft"] is not None and opens_with_text(r)]
+    text_ttft = list(clean_text_ttft(records).values())
     waits = [r["server_timings"]["queue_wait"] for r in ok
              if (r.get("server_timings") or {}).get("queue_wait") is not None]
     decode = [r["decode_tok_s"] for r in ok if r.get("decode_tok_s")]
@@ -1094,11 +1094,12 @@ def main(argv=None) -> dict:
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    print(table(runs))
-    print(paired(runs))
+    result = {"args": dict(vars(args)), "runs": runs, "solo": solo, "table": table(runs),
+              "paired": paired(runs)}
+    print(result["table"])
+    print(result["paired"])
     save()
-    return {"args": dict(vars(args)), "runs": runs, "solo": solo, "table": table(runs),
-            "paired": paired(runs)}
+    return result
 
 
 if __name__ == "__main__":
