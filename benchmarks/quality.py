@@ -34,7 +34,10 @@ file) already has. `--table FILES` prints saved runs' tables.
 draft)` with no settings (`default`: the automatic policy and its draft check),
 SpecPrefill off (`dense`) and forced at `--keeps` (`forced`, 0.3 unless given), each case in a user
 message and, with `--placements user tool`, as the result of a `read_file` tool call (a
-coding agent's shape: a system prompt, the tool's schema, the call, the file). One engine
+coding agent's shape: a system prompt, the tool's schema, the call, the file), the reply
+opening with the answer's first words; `agent` is that shape as a client sends it, with no
+opening (right: the reply holds the answer; the question is then not among the prompt's
+last tokens, the draft's query). One engine
 serves all three rows; the dense and forced rows neither read nor fill its prefix cache.
 `--match-weight W` gives the engine `match_weight=W` (the question's matches, every row).
 
@@ -270,6 +273,7 @@ def real_run(args) -> None:
 
 
 AGENT_SYSTEM = "You are a coding assistant. Read files with the tools before you answer."
+FREE_REPLY = 192  # `agent` placement: a free reply's tokens before its answer, beyond the case's
 READ_FILE = {"type": "function", "function": {
     "name": "read_file", "description": "Read a file of the repository.",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
@@ -280,7 +284,9 @@ def placed(tokenizer, case, placement: str) -> Rendered:
     """The case's prompt as chat messages, rendered as the engine renders a server's (so
     it protects what it protects there), the reply opening with the answer's opening:
     `user`, the document and the question in one user message; `tool`, the question in
-    the user's message and the document as the result of a `read_file` call."""
+    the user's message and the document as the result of a `read_file` call; `agent`,
+    `tool` without the opening (a coding agent's prompt as it comes: the question is
+    not among the prompt's last tokens)."""
     template_tail = layout(tokenizer, "", "")[1].removeprefix("\n\n")  # the case's own
     text = tokenizer.decode(case.ids[case.head:])
     at = text.rindex(template_tail)
@@ -299,7 +305,16 @@ def placed(tokenizer, case, placement: str) -> Rendered:
             "function": {"name": "read_file", "arguments": {"path": path}}}]},
         {"role": "tool", "tool_call_id": "call_0", "name": "read_file", "content": document},
     ]
-    return with_opening(tokenizer, render_chat(tokenizer, messages, tools=[READ_FILE]), opening)
+    chat = render_chat(tokenizer, messages, tools=[READ_FILE])
+    return chat if placement == "agent" else with_opening(tokenizer, chat, opening)
+
+
+def judged(case, text: str, placement: str) -> bool:
+    """Right: the reply opens with the answer, or (`agent`, a free reply) holds it."""
+    if placement != "agent":
+        return is_right(case, text)
+    expected, said = words(case.answer), words(text)
+    return any(said[at:at + len(expected)] == expected for at in range(len(said)))
 
 
 def with_opening(tokenizer, chat: Rendered, opening: str) -> Rendered:
@@ -361,19 +376,20 @@ def engine_run(args) -> None:
                         if args.until and time.perf_counter() - started > args.until:
                             return
                         prompt = placed(tokenizer, case, placement)
+                        max_tokens = case.max_tokens + (FREE_REPLY if placement == "agent" else 0)
                         row = {"model": args.model[0], "draft_model": args.draft, "kind": kind,
                                "length": length, "seed": seed, "placement": placement,
-                               "tokens": int(prompt.tokens.size),
+                               "tokens": int(prompt.tokens.size), "max_tokens": max_tokens,
                                "device": str(mx.default_device())}
                         runs = {"default": {},
                                 "dense": {"specprefill": False, "cache_prompt": False},
                                 "forced": {"specprefill": True, "keep": keep,
                                            "cache_prompt": False}}
                         for method, options in runs.items():
-                            result = engine.generate_sync(prompt, max_tokens=case.max_tokens,
+                            result = engine.generate_sync(prompt, max_tokens=max_tokens,
                                                           temperature=0.0, **options)
                             report = result.specprefill
-                            row[method] = is_right(case, result.text)
+                            row[method] = judged(case, result.text, placement)
                             row[f"{method}_text"] = result.text
                             row[f"{method}_engaged"] = report.engaged
                             row[f"{method}_kept"] = report.kept_tokens
@@ -638,8 +654,9 @@ def main(argv=None) -> int:
                         help="also select on the 32-token grid without blocks (SCORER-grid@KEEP)")
     parser.add_argument("--engine", action="store_true",
                         help="through the engine: its default, dense and forced at --keeps")
-    parser.add_argument("--placements", nargs="+", choices=["user", "tool"], default=["user"],
-                        help="--engine: the document in a user message, or a read_file result")
+    parser.add_argument("--placements", nargs="+", choices=["user", "tool", "agent"],
+                        default=["user"], help="--engine: the document in a user message, a "
+                        "read_file result, or one without the reply's opening (agent)")
     parser.add_argument("--table", nargs="*", help="print the table of these JSON-lines files")
     parser.add_argument("--plot", help="with --table: draw accuracy retained against keep")
     args = parser.parse_args(argv)

@@ -36,7 +36,7 @@ RUNS = {
         ["--model", DEMO_TARGET, "--scorers", "self", "--kinds", "passkey", "code_return",
          "--lengths", "384", "--repeats", "1", "--keeps", "0.3", "--json", "{json}"],
         ["--engine", "--model", DEMO_TARGET, "--draft", DEMO_DRAFT, "--kinds", "passkey",
-         "--placements", "user", "tool", "--lengths", "384", "--repeats", "1", "--json",
+         "--placements", "user", "tool", "agent", "--lengths", "384", "--repeats", "1", "--json",
          "{json}"],
     ],
     "throughput.py": [
