@@ -37,8 +37,8 @@ message and, with `--placements user tool`, as the result of a `read_file` tool 
 coding agent's shape: a system prompt, the tool's schema, the call, the file), the reply
 opening with the answer's first words; `agent` is that shape as a client sends it, with no
 opening (right: the reply holds the answer; the question is then not among the prompt's
-last tokens, the draft's query). One engine
-serves all three rows; the dense and forced rows neither read nor fill its prefix cache.
+last tokens, the draft's query). One engine serves all three rows; the dense and forced
+rows neither read nor fill its prefix cache.
 `--match-weight W` gives the engine `match_weight=W` (the question's matches, every row).
 
     python benchmarks/quality.py --engine --model qwen2.5-coder-1.5b \
