@@ -272,12 +272,7 @@ def real_run(args) -> None:
                           flush=True)
 
 
-AGENT_SYSTEM = "You are a coding assistant. Read files with the tools before you answer."
 FREE_REPLY = 192  # `agent` placement: a free reply's tokens before its answer, beyond the case's
-READ_FILE = {"type": "function", "function": {
-    "name": "read_file", "description": "Read a file of the repository.",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
-                   "required": ["path"]}}}
 
 
 def placed(tokenizer, case, placement: str) -> Rendered:
@@ -287,25 +282,13 @@ def placed(tokenizer, case, placement: str) -> Rendered:
     the user's message and the document as the result of a `read_file` call; `agent`,
     `tool` without the opening (a coding agent's prompt as it comes: the question is
     not among the prompt's last tokens)."""
-    template_tail = layout(tokenizer, "", "")[1].removeprefix("\n\n")  # the case's own
-    text = tokenizer.decode(case.ids[case.head:])
-    at = text.rindex(template_tail)
-    opening = text[at + len(template_tail):]
-    document, question = text[:at].rsplit("\n\n", 1)
-    document = document.removeprefix("```python\n").removesuffix("```")
-    path = "records.py" if case.kind in code_tasks.KINDS else "notes.txt"
+    message, opening = prose_tasks.parts(tokenizer, case.ids, case.head)
     if placement == "user":
         return with_opening(tokenizer, render_chat(tokenizer, [
-            {"role": "user", "content": text[:at]}]), opening)
-    messages = [
-        {"role": "system", "content": AGENT_SYSTEM},
-        {"role": "user", "content": f"{question} It is in {path}."},
-        {"role": "assistant", "content": "", "tool_calls": [{
-            "id": "call_0", "type": "function",
-            "function": {"name": "read_file", "arguments": {"path": path}}}]},
-        {"role": "tool", "tool_call_id": "call_0", "name": "read_file", "content": document},
-    ]
-    chat = render_chat(tokenizer, messages, tools=[READ_FILE])
+            {"role": "user", "content": message}]), opening)
+    path = "records.py" if case.kind in code_tasks.KINDS else "notes.txt"
+    chat = render_chat(tokenizer, prose_tasks.agent_messages(message, path),
+                       tools=[prose_tasks.READ_FILE])
     return chat if placement == "agent" else with_opening(tokenizer, chat, opening)
 
 

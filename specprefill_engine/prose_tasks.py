@@ -119,6 +119,38 @@ def layout(tokenizer, question: str, prefix: str) -> tuple:
     return "", f"\n\nQuestion: {question}\nAnswer: {prefix}"
 
 
+AGENT_SYSTEM = "You are a coding assistant. Read files with the tools before you answer."
+READ_FILE = {"type": "function", "function": {
+    "name": "read_file", "description": "Read a file of the repository.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}}
+
+
+def parts(tokenizer, ids: list, head: int) -> tuple:
+    """A case's prompt (`layout`'s, `head` tokens before the document) as (the user's
+    message: the document, then the question; the reply's opening)."""
+    template_tail = layout(tokenizer, "", "")[1].removeprefix("\n\n")
+    text = tokenizer.decode(ids[head:])
+    at = text.rindex(template_tail)
+    return text[:at], text[at + len(template_tail):]
+
+
+def agent_messages(message: str, path: str) -> list:
+    """A case's user message (`parts`) as a coding agent's chat (tools: `[READ_FILE]`):
+    the question, the call that reads `path`, and the document as its result; the
+    question is not among its last tokens."""
+    document, question = message.rsplit("\n\n", 1)
+    document = document.removeprefix("```python\n").removesuffix("```")
+    return [
+        {"role": "system", "content": AGENT_SYSTEM},
+        {"role": "user", "content": f"{question} It is in {path}."},
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_0", "type": "function",
+            "function": {"name": "read_file", "arguments": {"path": path}}}]},
+        {"role": "tool", "tool_call_id": "call_0", "name": "read_file", "content": document},
+    ]
+
+
 def make_case(tokenizer, kind: str, length: int, seed: int) -> ProseCase:
     """A prompt of about `length` tokens (whole paragraphs) of `kind`."""
     rng = random.Random(f"{kind}:{length}:{seed}")

@@ -90,6 +90,20 @@ def test_protected_segments_are_the_old_ones(tokenizers):
     assert rendered.protected[system_end:newest].mean() < 0.2  # documents left to selection
 
 
+@pytest.mark.parametrize("name", ["demo", "coder"])
+def test_the_question_is_the_newest_user_message_where_the_call_and_its_result_follow(
+        tokenizers, name):
+    """An agent's prompt: the user's question, the call, the file it read; the question's
+    own words (not its role markers) are the draft's query. A prompt that ends with the
+    user's message has none: its last tokens are the question."""
+    tokenizer = tokenizers[name]
+    rendered = render_chat(tokenizer, HISTORY[:4], TOOLS)
+    assert tokenizer.decode(rendered.tokens[rendered.question].tolist()).strip() == \
+        HISTORY[1]["content"]
+    assert render_chat(tokenizer, HISTORY, TOOLS).question is None
+    assert render_chat(tokenizer, HISTORY[:2], TOOLS).question is None
+
+
 def test_a_template_that_is_not_prefix_stable_falls_back(tokenizers):
     tokenizer = tokenizers["unstable"]
     chat = HISTORY[:2] + [{"role": "assistant", "content": "In json_tools.py."},

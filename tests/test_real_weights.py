@@ -13,9 +13,11 @@ import pytest
 import numpy as np
 
 from specprefill_engine import Engine
-from specprefill_engine import code_tasks
+from specprefill_engine import code_tasks, prose_tasks
 from specprefill_engine import gguf as conversion
+from specprefill_engine.chat.render import render_chat
 from specprefill_engine.core import score_tokens, select_chunks
+from specprefill_engine.core.scoring import N_WINDOW
 from specprefill_engine.engine.blank_lines import BlankLines
 from specprefill_engine.loading import load_model
 from specprefill_engine.prose_tasks import is_right, make_case
@@ -94,6 +96,29 @@ def test_the_small_draft_keeps_the_body_of_the_function_a_question_names():
     assert np.isin(np.arange(start, end), kept).all(), (start, end)
     (start, end), = case.needles  # the whole function, from its `def` line: one block
     assert np.isin(np.arange(start, end), kept).all(), (start, end)
+
+
+def test_in_an_agents_prompt_the_draft_finds_the_function_its_question_names():
+    """A coding agent's prompt (~1.7K tokens): the question, then the read_file call and
+    the file. The prompt's last tokens are the file's end and the template, so the draft
+    reads the question again after the prompt (its `question`); the selection at keep 0.3
+    then holds the asked function whole. Without it the view held none of it, and the
+    target answered that the file does not mention the function."""
+    draft, tokenizer = load_model(str(convert_real("qwen2.5-coder-0.5b")))
+    case = code_tasks.make_case(tokenizer, "code_return", 1500, seed=0)
+    message, _ = prose_tasks.parts(tokenizer, case.ids, case.head)
+    chat = render_chat(tokenizer, prose_tasks.agent_messages(message, "records.py"),
+                       tools=[prose_tasks.READ_FILE])
+    asked = chat.tokens[chat.question[-N_WINDOW:]]
+    assert tokenizer.decode(asked.tolist()).startswith("Which number does the function")
+    importance = score_tokens(draft, chat.tokens, step_size=512, question=asked)
+    kept = np.asarray(select_chunks(importance, 0.3, must_keep=chat.protected,
+                                    starts=BlankLines(tokenizer)(chat.tokens)))
+    (start, end), = case.needles
+    inner = np.asarray(case.ids[start + 1:end - 1])  # its tokens inside the file
+    at = next(i for i in range(chat.tokens.size) if
+              np.array_equal(chat.tokens[i:i + inner.size], inner))
+    assert np.isin(np.arange(at, at + inner.size), kept).all()
 
 
 # a real model's tool call ------------------------------------------------------------

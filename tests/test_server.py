@@ -615,7 +615,7 @@ def test_serve_refuses_past_its_bound_and_drains_at_sigterm():
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "integrations")]))
     process = subprocess.Popen(
         [sys.executable, "-m", "specprefill_engine.cli", "serve", "--port", str(port),
-         "--max-batch-size", "2", "--max-queued", "0", "--drain-timeout", "3",
+         "--max-batch-size", "2", "--max-queued", "0", "--drain-timeout", "10",
          "--log-level", "info"], env=env, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:

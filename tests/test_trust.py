@@ -11,12 +11,14 @@ draft cache restored off its chunk grid changed the importance itself.
 """
 
 import asyncio
+import dataclasses
 
 import pytest
 from faults import executor_fault
 
 from specprefill_engine import Engine
-from specprefill_engine.demo_tasks import make_case
+from specprefill_engine.chat.render import render_chat
+from specprefill_engine.demo_tasks import AGENT_TOOLS, make_case
 from specprefill_engine.engine import RequestFailedError
 
 pytestmark = pytest.mark.timeout(600)
@@ -141,3 +143,34 @@ async def test_a_dense_conversations_next_turn_stays_dense_when_its_cache_was_ev
     assert not evicted.specprefill.engaged, evicted.specprefill.reason
     assert "after an earlier turn of" in evicted.specprefill.reason
     assert evicted.token_ids == cached.token_ids
+
+
+def agent_chat(tokenizer, seed: int) -> list:
+    """The demo case as a coding agent sends it: the question, the call, the file read."""
+    case = make_case(tokenizer, seed, "passkey", LENGTH)
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "read_file", "arguments": {"path": "notes.txt"}}}
+    return [{"role": "system", "content": "You answer from the files you read."},
+            {"role": "user", "content": case.question},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": case.context}]
+
+
+async def test_an_agents_question_before_the_file_is_read_by_the_draft_and_caches_change_nothing(
+        fresh, fresh_cache_dir):
+    """The draft reads the user's question again after the prompt (where the call and the
+    file follow it): the selection differs from the one without it, and a warm draft
+    cache, which holds the prompt's KV and none of the question's copy, selects as a
+    fresh engine at another keep and on the same request again."""
+    async with Engine(densify="off") as engine:
+        chat = render_chat(engine.tokenizer, agent_chat(engine.tokenizer, 32),
+                           tools=list(AGENT_TOOLS))
+        assert chat.question is not None
+        low = await engine.generate(chat, max_tokens=8, specprefill=True, keep=0.2)
+        high = await engine.generate(chat, max_tokens=8, specprefill=True, keep=0.5)
+        again = await engine.generate(chat, max_tokens=8, specprefill=True, keep=0.2)
+    assert high.usage.draft_cached_tokens > 0  # the first scoring's draft KV, restored
+    assert kept(low) == kept(again) == fresh(chat, keep=0.2)
+    assert kept(high) == fresh(chat, keep=0.5)
+    unasked = dataclasses.replace(chat, question=None)
+    assert fresh(unasked, keep=0.2)[0] != kept(low)[0]

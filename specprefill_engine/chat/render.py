@@ -16,8 +16,9 @@ A prefix render costs about what the whole render costs (a template's cost is pe
 message), so starts for every message cost n renders of up to n messages, quadratic
 in a long agent chat (measured by a one-off benchmark, now in git's history).
 By default only the starts that are used are rendered: the end of a leading system
-message, the newest user or tool message (protected segments), the generation
-prompt, and the last `window` messages; the others are None.
+message, the newest user or tool message (protected segments), the newest user
+message's extent (the draft's query), the generation prompt, and the last `window`
+messages; the others are None.
 
 Tool-call arguments in history reach the template as it expects them: a template
 that prints `arguments` raw takes JSON strings, every other (those that iterate over
@@ -59,7 +60,9 @@ class Rendered:
     not prefix-stable there, or outside the rendered window); `generation_start`:
     where the generation prompt starts; `protected`: tokens SpecPrefill must keep; `think`: "open" (the prompt ends inside
     a think block), "optional" (the model may open one: its tokenizer has think
-    tokens, thinking is not switched off and the generation prompt holds none) or None.
+    tokens, thinking is not switched off and the generation prompt holds none) or None;
+    `question`: positions of the newest user message's text where messages follow it
+    (the draft's query: a tool call and its result follow the question), else None.
     """
 
     text: str
@@ -68,6 +71,7 @@ class Rendered:
     generation_start: Optional[int]
     protected: Optional[np.ndarray]
     think: Optional[str]
+    question: Optional[np.ndarray] = None
 
     @property
     def think_open(self) -> bool:
@@ -295,9 +299,11 @@ def render_chat(tokenizer, messages: list, tools: Optional[list] = None,
         encoding = backend.encode_batch([text], add_special_tokens=False)[0]
         ids = np.asarray(encoding.ids, dtype=np.int32)
     n = len(messages)
-    last = max((i for i, m in enumerate(messages) if m["role"] in ("user", "tool")), default=0)
+    roles = [m["role"] for m in messages]
+    last = max((i for i, role in enumerate(roles) if role in ("user", "tool")), default=0)
+    asked = max((i for i, role in enumerate(roles) if role == "user"), default=0)
     wanted = set(range(1, n + 1)) if window is None else \
-        {1, last, n, *range(max(1, n - window), n)}
+        {1, last, asked, asked + 1, n, *range(max(1, n - window), n)}
     chars = [0] + [_prefix_end(tokenizer, messages[:i], extra, text) if i in wanted else None
                    for i in range(1, n + 1)]
     offsets = _Offsets(encoding, len(text), ids.size)
@@ -305,10 +311,31 @@ def render_chat(tokenizer, messages: list, tools: Optional[list] = None,
     tool_span = None
     if tools and chars[1] is not None and encoding is not None:
         tool_span = _tool_span(tokenizer, messages, kwargs, text[: chars[1]], offsets)
-    protected = protect(ids, special_ids(tokenizer), [m["role"] for m in messages], bounds,
-                        tool_span, recent_cap, system_cap)
+    protected = protect(ids, special_ids(tokenizer), roles, bounds, tool_span, recent_cap,
+                        system_cap)
+    asked_span = (chars[asked], chars[asked + 1]) if roles[asked] == "user" and asked < n - 1 \
+        else None
     return Rendered(text, ids, bounds[:-1], bounds[-1], protected,
-                    _think(tokenizer, text, chars[-1], kwargs))
+                    _think(tokenizer, text, chars[-1], kwargs),
+                    _question(messages[asked], text, asked_span, offsets))
+
+
+def _question(message: dict, text: str, span: Optional[tuple],
+              offsets: _Offsets) -> Optional[np.ndarray]:
+    """The tokens of `message`'s text (its last text part) where it is rendered in
+    `text[span[0]:span[1]]`; None where `span` is unknown or the text is not there as it is."""
+    if span is None or None in span:
+        return None
+    content = message.get("content")
+    if isinstance(content, list):
+        content = next((part.get("text") for part in reversed(content)
+                        if isinstance(part, dict) and part.get("type") == "text"), None)
+    content = content.strip() if isinstance(content, str) else ""
+    at = text.find(content, *span) if content else -1
+    if at < 0:
+        return None
+    start, end = offsets.token(at), offsets.token(at + len(content) - 1)
+    return None if start is None or end is None else np.arange(start, end + 1)
 
 
 def _tool_span(tokenizer, messages: list, kwargs: dict, with_tools: str,

@@ -12,6 +12,11 @@ queries. All layers are reduced in one unit of work, evaluated once.
 The window is the question: a small draft's last token often attends nowhere in
 particular, while the question's own words (a function's name, a key) attend to where
 they occur earlier (what follows that place, the selection keeps: `selection.py`).
+Where the question is not at the prompt's end (a coding agent's: the user's message,
+then the call and the file it read), its words are forwarded once more after the
+prompt (`echo_question`): causal attention lets the words at their own place see only
+what came before them, the copy after the prompt sees all of it. Their queries count
+as lookahead rows; their cache entries follow the prompt's, as the lookahead's do.
 """
 
 from dataclasses import dataclass
@@ -217,6 +222,17 @@ def lookahead_step(draft_model: nn.Module, token: mx.array, cache, sites, querie
     return token
 
 
+def echo_question(draft_model: nn.Module, question: mx.array, cache, sites,
+                  queries: list) -> None:
+    """`question` (1-D: the question's own tokens) through the draft after what its
+    cache holds; every token's queries join `queries`, evaluated."""
+    _, echoed = _forward_capturing_queries(draft_model, question, cache, sites,
+                                           keep_last=question.size)
+    for layer_queries, query in zip(queries, echoed):
+        layer_queries.append(query)
+    mx.eval(echoed)
+
+
 def importance_of(draft_model: nn.Module, sites, queries: list, cache, prompt_length: int,
                   pool_kernel: int, n_window: int) -> mx.array:
     """Every layer's queries against its cached prompt keys, reduced to one importance
@@ -263,6 +279,7 @@ def score_steps(
     temperature: float = 0.0,
     n_window: int = N_WINDOW,
     cache: Optional[list] = None,
+    question=None,
 ) -> Generator[tuple, None, mx.array]:
     """`score_tokens` one unit of work per iteration (a prefill chunk, a lookahead
     step, the reduction over layers). Yields (units done, total units); returns the
@@ -273,12 +290,15 @@ def score_steps(
     prefill chunk if it holds more, so the importance is what a fresh draft gives; a
     cache that cannot be cut, a hybrid draft's, is continued from where it is, which
     rounds differently), and afterwards holds the whole prompt's KV in its first
-    len(tokens) entries (lookahead entries follow), for the caller to keep.
+    len(tokens) entries (the lookahead's and the question's follow), for the caller
+    to keep.
 
     The draft prefills the whole prompt; its last chunk's forward also captures the
     queries of the prompt's last `n_window` tokens (free: no extra forward). The last
     prompt token's query is lookahead step 1; `n_lookahead - 1` greedy decode steps
     add one query each. So `n_lookahead=1` costs nothing beyond the draft's prefill.
+    `question`: token ids of a question before the prompt's end, forwarded after it
+    (`echo_question`; one more forward of its length).
     """
     tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
     tokens = tokens.reshape(-1)
@@ -294,7 +314,8 @@ def score_steps(
             layer.trim(layer.offset - cached)
     plan = chunk_plan(capture_from - cached, cached, step_size, 0.0)  # chunked_prefill's yields
     n_chunks = sum(pause for _, pause in plan) + 1
-    done, total = 0, n_chunks + (n_lookahead - 1) + 1
+    question = None if question is None or not len(question) else mx.array(question).reshape(-1)
+    done, total = 0, n_chunks + (n_lookahead - 1) + (question is not None) + 1
     for _ in chunked_prefill(draft_model, tokens[cached:capture_from], cache, step_size,
                              want_logits=False, balanced=False):
         done += 1
@@ -305,6 +326,10 @@ def score_steps(
     yield done, total
     for _ in range(n_lookahead - 1):
         token = lookahead_step(draft_model, token, cache, sites, queries, temperature)
+        done += 1
+        yield done, total
+    if question is not None:
+        echo_question(draft_model, question, cache, sites, queries)
         done += 1
         yield done, total
     importance = importance_of(draft_model, sites, queries, cache, prompt_length, pool_kernel,
@@ -340,16 +365,17 @@ def score_tokens(
     temperature: float = 0.0,
     cancel_check: CancelCheck = None,
     n_window: int = N_WINDOW,
+    question=None,
 ) -> mx.array:
     """Importance of every prompt token, shape (M,), float32.
 
     Lookahead is greedy unless `temperature` > 0. The draft's cache is dropped on
     return (MLX's buffer cache keeps the memory for the next request; nothing clears
     it on the hot path). `cancel_check()` runs between prefill chunks, lookahead steps
-    and the final reduction, and may raise to abort.
+    and the final reduction, and may raise to abort. `question`: `score_steps`'.
     """
     steps = score_steps(draft_model, tokens, n_lookahead, pool_kernel, step_size, temperature,
-                        n_window)
+                        n_window, question=question)
     return run_steps(steps, cancel_check)
 
 

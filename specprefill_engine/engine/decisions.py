@@ -4,7 +4,8 @@ A request's prefill depends on its prompt and settings, but the automatic policy
 reads what the engine has learned (the cost model, the draft check), and a conversation's
 next turn reuses the view its previous turn kept. Both change with history. So the first
 decision for a request is kept here, keyed by what makes it the same request (its prompt
-tokens, `specprefill`, `keep` and whether the caller gave it, `threshold`): dense, or the
+tokens, the chat's protected tokens and question, `specprefill`, `keep` and whether the
+caller gave it, `threshold`): dense, or the
 positions the target kept, in the order they were fed. A later identical request follows it: dense again, or the same
 view (restored from whatever cached entry agrees with it; what none holds is prefilled
 again), without the draft. Nothing is repaired or grows through repeats.
@@ -28,8 +29,12 @@ DENSE = "dense"  # the recorded decision of a request prefilled densely
 
 
 def request_key(tokens: np.ndarray, specprefill: Optional[bool], keep: float, keep_given: bool,
-                threshold: int) -> bytes:
+                threshold: int, protected: Optional[np.ndarray] = None,
+                question: Optional[np.ndarray] = None) -> bytes:
     digest = hashlib.sha1(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
+    for part in (protected, question):  # what the selection reads besides the tokens
+        digest.update(b"-" if part is None else np.packbits(part).tobytes()
+                      if part.dtype == bool else np.ascontiguousarray(part, np.int64).tobytes())
     digest.update(repr((specprefill, float(keep), bool(keep_given), int(threshold))).encode())
     return digest.digest()
 

@@ -327,6 +327,7 @@ class Engine:
             logits_processors=list(options.logits_processors), cache_prompt=options.cache_prompt,
             num_draft_tokens=num_draft_tokens,
             protected=protected, warnings=warnings, boundaries=boundaries,
+            question=None if rendered is None else rendered.question,
             keep_given=keep is not None or self._keep_given,
         )
 

@@ -33,7 +33,9 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from ..core.prefill import align_buffers, cache_length, prefill_chunk
 from ..core.quantized_kv import QuantizedKV, cut_cache
-from ..core.scoring import DraftScorer, capture_window, importance_of, lookahead_step, scored_sites
+from ..core.scoring import (
+    DraftScorer, capture_window, echo_question, importance_of, lookahead_step, scored_sites,
+)
 from ..core.sparse_prefill import decode_shift
 from ..core.windows import SlidingWindows
 from .batch import BatchLost, DecodeBatch, SoloDecode
@@ -357,6 +359,9 @@ class Executor:
                     row.draft = work.cache
                 row.scoring = None
                 outcome.scored[handle] = importance
+            elif unit.echoes:
+                echo_question(scorer.model, mx.array(unit.tokens), work.cache, work.sites,
+                              work.queries)
             elif unit.lookahead:
                 work.token = lookahead_step(scorer.model, work.token, work.cache, work.sites,
                                             work.queries, scorer.temperature)

@@ -105,7 +105,8 @@ class ScoreUnit:
     """One unit of a request's scoring by the draft (rank 0 alone), for a prompt of
     `length` tokens: `tokens` of it through the draft, after `restore` (the first unit:
     the draft's cache from its prefix cache) or what came before; the prompt's last
-    chunk `captures` the window's queries; a `lookahead` step adds a query; the `reduce`
+    chunk `captures` the window's queries; a `lookahead` step adds a query; `echoes`:
+    `tokens` are the question's, forwarded after the prompt for their queries; the `reduce`
     unit turns the queries into the importance (`tokens`: the whole prompt, kept with
     the draft's cache in its prefix cache as `store` says, and kept for speculative
     decoding when `keep_for_decode`). A draft that only computes the prompt's KV (a
@@ -118,6 +119,7 @@ class ScoreUnit:
     restore: Optional[Restore] = None
     captures: bool = False
     lookahead: bool = False
+    echoes: bool = False
     reduce: bool = False
     store: Optional[Store] = None
     keep_for_decode: bool = False

@@ -192,7 +192,8 @@ def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixI
                   exact: bool) -> None:
     """Score the whole prompt, reusing the draft's prefix cache: its units are the draft's
     prompt chunks from what the cache lacks, the chunk that captures the window's
-    queries, the lookahead steps and the reduction, one per turn (`take_scoring_units`).
+    queries, the lookahead steps, the question's echo (`asked_tokens`) and the reduction,
+    one per turn (`take_scoring_units`).
     `exact`: restore only on the draft's chunk grid (`on_draft_grid`); a conversation's
     next turn, whose view is a documented reuse, continues wherever the stored KV ends."""
     check_sparse_prefill_supported(runtime.model)  # before spending the draft's time
@@ -212,7 +213,17 @@ def start_scoring(state: RequestState, runtime: Runtime, draft: Optional[PrefixI
     chunk_ends = chunk_plan(capture_from - cut, cut, scorer.step_size, 0.0)
     feed = Feed(restore, state.tokens[cut:capture_from], cached=cut, chunk_ends=chunk_ends)
     state.usage.draft_cached_tokens = cut
-    state.scoring = Scoring(feed, state.tokens[capture_from:], scorer.n_lookahead - 1)
+    state.scoring = Scoring(feed, state.tokens[capture_from:], scorer.n_lookahead - 1,
+                            asked_tokens(state, scorer))
+
+
+def asked_tokens(state: RequestState, scorer) -> np.ndarray:
+    """The question's last `n_window` tokens, for the draft to read after the prompt
+    (`core.scoring.echo_question`): none where the question ends the prompt, or where the
+    draft's cache cannot be cut back to the prompt (its stored KV must end there)."""
+    if state.question is None or checkpointed(scorer.model):
+        return state.tokens[:0]
+    return state.tokens[state.question[-scorer.n_window:]]
 
 
 def on_draft_grid(hit: Hit, length: int, step_size: int, n_window: int) -> int:
@@ -246,7 +257,7 @@ def start_draft_feed(state: RequestState, runtime: Runtime,
 
 def take_scoring_units(state: RequestState, draft: Optional[PrefixIndex]) -> list:
     """The draft's work for this turn, counted as done: the next chunks up to a pause, else the capturing
-    chunk, else a lookahead step, else the reduction (keeping the draft's cache in its
+    chunk, else a lookahead step, else the question's echo, else the reduction (keeping the draft's cache in its
     prefix cache `draft`, if any; and for speculative decoding, for the reply)."""
     scoring, handle, length = state.scoring, state.handle, int(state.tokens.size)
     feed = scoring.feed
@@ -263,6 +274,9 @@ def take_scoring_units(state: RequestState, draft: Optional[PrefixIndex]) -> lis
     if scoring.lookahead:
         scoring.lookahead -= 1
         return [ScoreUnit(handle, length, lookahead=True)]
+    if scoring.question.size and not scoring.asked:
+        scoring.asked = True
+        return [ScoreUnit(handle, length, scoring.question, echoes=True)]
     store = None
     if draft is not None:
         store = Store(handle, state.tokens)
@@ -445,7 +459,7 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixIndexes,
 
 def decision_key(state: RequestState) -> bytes:
     return request_key(state.tokens, state.specprefill, state.keep, state.keep_given,
-                       state.threshold)
+                       state.threshold, state.protected, state.question)
 
 
 def fall_back_to_dense(state: RequestState, runtime: Runtime, caches: PrefixIndexes,

@@ -37,14 +37,17 @@ class Status(enum.Enum):
 class Scoring:
     """A request's scoring by the draft, as progress: the prompt through the draft
     (`feed`, before the capturing chunk), then the capturing chunk (`capture`, the
-    prompt's last tokens), the lookahead steps and the reduction to importance. With
+    prompt's last tokens), the lookahead steps, the question's echo (`question`: its
+    tokens, forwarded after the prompt; empty: none) and the reduction to importance. With
     nothing to capture the draft only computes the prompt's KV (`feed`: all of it), for
     speculative decoding."""
 
     feed: Feed
     capture: np.ndarray
     lookahead: int  # lookahead steps left
+    question: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     captured: bool = False
+    asked: bool = False  # the question's echo is planned
     busy: float = 0.0  # seconds in its units (for the cost model)
 
     def tokens_done(self) -> int:
@@ -72,6 +75,7 @@ class RequestState:
     protected: Optional[np.ndarray] = None  # tokens SpecPrefill must keep (chat segments)
     warnings: list = field(default_factory=list)
     boundaries: tuple = ()  # where chat messages (and the generation prompt) start
+    question: Optional[np.ndarray] = None  # positions of the question before later messages
     keep_given: bool = False  # the caller set keep (the request or the engine): no draft check
     called: float = field(default_factory=time.perf_counter)  # the caller's call began
     submitted: float = field(default_factory=time.perf_counter)  # ready for the worker
