@@ -142,12 +142,14 @@ def _forward_capturing_queries(model, tokens: mx.array, cache, sites, keep_last:
     return logits, [capture.query for capture in captures]
 
 
-def _masked_layer_importance(query, keys, scale, pool_kernel, n_window, prompt_length):
-    """`layer_importance` where the first `n_window` query rows are the prompt's own last
-    tokens: each sees only the keys up to its position (causal), as in the prefill, and
-    each but the last prompt token's counts only keys at least `n_window` before it: a
-    row's attention to its own neighbourhood says nothing about the question, and would
-    spend the budget on the text just before it."""
+def _masked_layer_importance(query, keys, scale, pool_kernel, n_window, prompt_length,
+                             first: int = 0):
+    """`layer_importance` where query rows `first`, `first + 1`, ... before `n_window` are
+    the prompt's own last tokens: each sees only the keys up to its position (causal),
+    as in the prefill, and each but the last prompt token's counts only keys at least
+    `n_window` before it: a row's attention to its own neighbourhood says nothing about
+    the question, and would spend the budget on the text just before it. Later rows
+    (lookahead, the question's copy) see every prompt key."""
     if n_window <= 1:  # the last prompt token sees every prompt key
         return layer_importance(query, keys, scale, pool_kernel)
     _, n_heads, steps, dim = query.shape
@@ -155,9 +157,8 @@ def _masked_layer_importance(query, keys, scale, pool_kernel, n_window, prompt_l
     q = query.astype(mx.float32).reshape(n_kv, n_heads // n_kv, steps, dim)
     k = keys[0].astype(mx.float32)[:, None]
     scores = (q * scale) @ k.swapaxes(-1, -2)
-    row_position = mx.concatenate([
-        mx.arange(prompt_length - n_window, prompt_length),
-        mx.full((steps - n_window,), prompt_length)])
+    rows = mx.arange(first, first + steps)
+    row_position = mx.where(rows < n_window, prompt_length - n_window + rows, prompt_length)
     keys_at = mx.arange(prompt_length)[None, :]
     attention = mx.softmax(mx.where(keys_at > row_position[:, None], -mx.inf, scores), axis=-1)
     near = (keys_at > row_position[:, None] - n_window) & \
@@ -250,7 +251,12 @@ def importance_of(draft_model: nn.Module, sites, queries: list, cache, prompt_le
                 "a compressed key); use a draft with standard attention"
             )
         scale = getattr(site.attention, "scale", query.shape[-1] ** -0.5)
-        layer = _masked_layer_importance(query, keys, scale, pool_kernel, n_window, prompt_length)
+        block, rows = max(n_window, 1), []  # rows at a time: the scores' memory is a window's
+        for first in range(0, query.shape[2], block):
+            rows.append(_masked_layer_importance(query[:, :, first:first + block], keys, scale,
+                                                 pool_kernel, n_window, prompt_length, first))
+            mx.eval(rows[-1])
+        layer = mx.concatenate(rows)
         importance = layer if importance is None else mx.maximum(importance, layer)
         mx.eval(importance)  # a layer's scores at a time: one graph would hold every layer's
     importance = importance.mean(axis=0)
