@@ -256,9 +256,10 @@ def start_draft_feed(state: RequestState, runtime: Runtime,
 
 
 def take_scoring_units(state: RequestState, draft: Optional[PrefixIndex]) -> list:
-    """The draft's work for this turn, counted as done: the next chunks up to a pause, else the capturing
-    chunk, else a lookahead step, else the question's echo, else the reduction (keeping the draft's cache in its
-    prefix cache `draft`, if any; and for speculative decoding, for the reply)."""
+    """The draft's work for this turn, counted as done: the next chunks up to a pause,
+    else the capturing chunk, else a lookahead step, else the question's echo, else the
+    reduction (keeping the draft's cache in its prefix cache `draft`, if any; and for
+    speculative decoding, for the reply)."""
     scoring, handle, length = state.scoring, state.handle, int(state.tokens.size)
     feed = scoring.feed
     first = feed.fed == 0 and not scoring.captured
