@@ -40,6 +40,8 @@ opening (right: the reply holds the answer; the question is then not among the p
 last tokens, the draft's query). One engine serves all three rows; the dense and forced
 rows neither read nor fill its prefix cache.
 `--match-weight W` gives the engine `match_weight=W` (the question's matches, every row).
+`--repeat-check`: no engine, mlx-lm's own greedy `generate` of each placed prompt twice:
+whether the device repeats a reply (the noise two `--engine` rows are compared against).
 
     python benchmarks/quality.py --engine --model qwen2.5-coder-1.5b \
         --draft qwen2.5-coder-0.5b --kinds code_return code_far passkey multikey \
@@ -389,6 +391,55 @@ def engine_run(args) -> None:
                               file=sys.stderr, flush=True)
 
 
+def repeat_run(args) -> None:
+    """`--repeat-check`: mlx-lm's own greedy `generate`, each case's prompt twice, no
+    engine: whether the device gives one prompt the same reply twice (the noise a
+    comparison of two rows of `--engine` is read against)."""
+    from mlx_lm.generate import generate
+
+    out = Path(args.json)
+    out.touch()
+    done = {(r["model"], r["kind"], r["length"], r["seed"], r["placement"])
+            for r in map(json.loads, out.read_text().splitlines())}
+    model, tokenizer = load_folder(args.model[0], args.folder)
+    started = time.perf_counter()
+    for seed in range(args.repeats):
+        for length in args.lengths:
+            for kind in args.kinds:
+                case = make_case(tokenizer, kind, length, seed)
+                for placement in args.placements:
+                    if (args.model[0], kind, length, seed, placement) in done:
+                        continue
+                    if args.until and time.perf_counter() - started > args.until:
+                        return
+                    prompt = placed(tokenizer, case, placement)
+                    max_tokens = case.max_tokens + (FREE_REPLY if placement == "agent" else 0)
+                    first, second = (generate(model, tokenizer, prompt=prompt.tokens.tolist(),
+                                              max_tokens=max_tokens) for _ in range(2))
+                    row = {"model": args.model[0], "kind": kind, "length": length, "seed": seed,
+                           "placement": placement, "tokens": int(prompt.tokens.size),
+                           "device": str(mx.default_device()), "same": first == second,
+                           "first": judged(case, first, placement),
+                           "second": judged(case, second, placement)}
+                    with out.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+
+
+def repeat_table(rows: list) -> str:
+    """Per length, content kind and placement: replies equal, and each run's right answers."""
+    cells = {}
+    for r in rows:
+        group = "code" if r["kind"] in code_tasks.KINDS else "prose"
+        cells.setdefault((r["model"], r["length"], group, r["placement"]), []).append(r)
+    lines = ["| model | length | content | placement | n | the same reply | right: first; second |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (model, length, group, placement), cell in sorted(cells.items()):
+        lines.append(f"| {model} | {length} | {group} | {placement} | {len(cell)} | "
+                     f"{sum(r['same'] for r in cell)} | {sum(r['first'] for r in cell)}; "
+                     f"{sum(r['second'] for r in cell)} |")
+    return "\n".join(lines)
+
+
 def engine_table(rows: list) -> str:
     """Per length, content kind and placement: dense's right answers, and each other row's right
     answers and what it held of dense's (the same cases right)."""
@@ -569,13 +620,18 @@ def real_main(parser, args) -> int:
             parser.error(f"--model {name}: not of {sorted(gguf.MODELS)} and given no --folder")
     if args.engine and not (args.draft and len(args.model) == 1):
         parser.error("--engine needs one --model and its --draft")
+    if args.repeat_check and len(args.model) != 1:
+        parser.error("--repeat-check needs one --model")
     if args.table is None:
         if not args.json:
             parser.error("--json is needed to run the grid")
-        (engine_run if args.engine else real_run)(args)
+        (engine_run if args.engine else repeat_run if args.repeat_check else real_run)(args)
         args.table = [args.json]
     rows = [json.loads(line) for path in args.table
             for line in Path(path).read_text().splitlines()]
+    if rows and "same" in rows[0]:
+        print(repeat_table(rows))
+        return 0
     if rows and "placement" in rows[0]:
         print(engine_table(rows))
         return 0
@@ -637,9 +693,12 @@ def main(argv=None) -> int:
                         help="also select on the 32-token grid without blocks (SCORER-grid@KEEP)")
     parser.add_argument("--engine", action="store_true",
                         help="through the engine: its default, dense and forced at --keeps")
+    parser.add_argument("--repeat-check", action="store_true",
+                        help="mlx-lm's own generate, each prompt twice: the same reply?")
     parser.add_argument("--placements", nargs="+", choices=["user", "tool", "agent"],
-                        default=["user"], help="--engine: the document in a user message, a "
-                        "read_file result, or one without the reply's opening (agent)")
+                        default=["user"], help="--engine, --repeat-check: the document in a "
+                        "user message, a read_file result, or one without the reply's "
+                        "opening (agent)")
     parser.add_argument("--table", nargs="*", help="print the table of these JSON-lines files")
     parser.add_argument("--plot", help="with --table: draw accuracy retained against keep")
     args = parser.parse_args(argv)
