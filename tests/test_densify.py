@@ -74,7 +74,7 @@ async def test_the_turn_after_a_densified_one_answers_as_dense():
 
 async def test_a_request_arriving_mid_densify_waits_at_most_one_unit():
     async with Engine() as engine:
-        _, messages = turns(engine.tokenizer, 4, 3000)
+        _, messages = turns(engine.tokenizer, 4, 2000)
         first = await engine.generate(messages, max_tokens=4, specprefill=True)
         await densifying(engine)
         seen = []
@@ -86,6 +86,7 @@ async def test_a_request_arriving_mid_densify_waits_at_most_one_unit():
 
         other = make_case(engine.tokenizer, 5, "passkey", 400).messages
         before = engine.stats()["densify"].tokens
+        assert before < first.usage.prompt_tokens - 2 * engine.info.step_size  # units left
         result = await engine.generate(other, max_tokens=6, specprefill=False,
                                        logits_processors=[probe])
         step = engine.info.step_size
@@ -100,7 +101,7 @@ async def test_a_request_arriving_mid_densify_waits_at_most_one_unit():
 
 async def test_shutdown_during_densify_is_prompt_and_leaves_nothing():
     engine = await Engine().start()
-    _, messages = turns(engine.tokenizer, 6, 3000)
+    _, messages = turns(engine.tokenizer, 6, 2000)
     await engine.generate(messages, max_tokens=4, specprefill=True)
     await densifying(engine)
     runtime = engine._worker.runtime
@@ -141,7 +142,7 @@ async def test_densify_decode_runs_a_unit_beside_each_decode_step_and_leaves_the
     reply, at most one unit a turn (each unit's tokens at most one prefill unit); the reply
     is token for token the one without densify."""
     async with Engine(densify="decode") as engine:
-        _, messages = turns(engine.tokenizer, 4, 3000)
+        _, messages = turns(engine.tokenizer, 4, 2000)
         first = await engine.generate(messages, max_tokens=4, specprefill=True)
         assert first.specprefill.engaged
         other = make_case(engine.tokenizer, 5, "passkey", 400).messages
