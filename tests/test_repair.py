@@ -122,7 +122,7 @@ def test_repair_is_chosen_whenever_it_covers_the_new_selection(demo_pair, fresh_
     """Over an agent's turns on a plain model, no turn selects anew: each repairs or
     extends the stored view (decision counts)."""
     _, _, tokenizer = demo_pair
-    session = make_agent_session(tokenizer, 11, 3000, 4)
+    session = make_agent_session(tokenizer, 11, 2000, 4)
     decisions, replies = [], []
     with Engine(densify="off") as engine:
         for step in range(4):
