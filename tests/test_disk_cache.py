@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -355,12 +356,27 @@ def test_a_process_killed_mid_write_leaves_nothing_the_next_one_uses(tmp_path, d
     assert again.token_ids == alone.token_ids and stats.broken == 0
 
 
+@pytest.fixture(scope="module")
+def written_turn(tmp_path_factory):
+    """A turn of the demo target alone written to a disk tier's folder, the next turn's
+    prompt, and that prompt's reply on an engine without a disk tier."""
+    folder = tmp_path_factory.mktemp("written")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECPREFILL_CACHE_DIR", str(folder / "cache"))
+        with Engine(prefix_cache_disk_bytes=GB, cache_dir=str(folder / "tier"), **ALONE) as engine:
+            (first,) = conversation(engine, 1, 1200, seed=3)
+        grown = next_turn(first)
+        with Engine(prefix_cache_disk_bytes=0, **ALONE) as engine:
+            alone = engine.generate_sync(grown, max_tokens=6, ignore_eos=True, cache_prompt=False)
+    return folder / "tier", grown, alone
+
+
 @pytest.mark.parametrize("damage", ["flipped byte", "cut short", "header"])
-def test_a_damaged_file_is_ignored_and_removed(damage, tmp_path, caplog):
-    settings = dict(prefix_cache_disk_bytes=GB, cache_dir=str(tmp_path), **ALONE)
-    with Engine(**settings) as engine:
-        (first,) = conversation(engine, 1, 1200, seed=3)
-    (path,) = (tmp_path / FOLDER).rglob("*.safetensors")
+def test_a_damaged_file_is_ignored_and_removed(damage, written_turn, tmp_path, caplog):
+    written, grown, alone = written_turn
+    shutil.copytree(written, tmp_path / "tier")  # each damage on its own copy of the folder
+    settings = dict(prefix_cache_disk_bytes=GB, cache_dir=str(tmp_path / "tier"), **ALONE)
+    (path,) = (tmp_path / "tier" / FOLDER).rglob("*.safetensors")
     data = bytearray(path.read_bytes())
     if damage == "flipped byte":
         data[len(data) * 2 // 3] ^= 0x10
@@ -369,12 +385,9 @@ def test_a_damaged_file_is_ignored_and_removed(damage, tmp_path, caplog):
     else:
         data[20:24] = b"\xff\xfe\x00\x01"
     path.write_bytes(bytes(data))
-    grown = next_turn(first)
     with Engine(**settings) as engine:
         again = engine.generate_sync(grown, max_tokens=6, ignore_eos=True)
         stats = engine.stats()["disk"]
-    with Engine(prefix_cache_disk_bytes=0, **ALONE) as engine:
-        alone = engine.generate_sync(grown, max_tokens=6, ignore_eos=True, cache_prompt=False)
     assert "(disk)" not in again.specprefill.reuse and again.usage.cached_tokens == 0
     assert again.token_ids == alone.token_ids
     assert stats.broken == 1 and not path.exists()
