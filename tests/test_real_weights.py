@@ -19,7 +19,6 @@ from specprefill_engine.chat.render import render_chat
 from specprefill_engine.core import score_tokens, select_chunks
 from specprefill_engine.core.scoring import N_WINDOW
 from specprefill_engine.engine.blank_lines import BlankLines
-from specprefill_engine.loading import load_model
 from specprefill_engine.prose_tasks import is_right, make_case
 from specprefill_engine.chat.call import build_call
 from specprefill_server.calls import fold, served
@@ -59,6 +58,13 @@ def coder_pair():
         yield engine
 
 
+@pytest.fixture(scope="module")
+def coder_draft(coder_pair):
+    """The pair's 0.5B draft as the engine loaded it (`load_model`, float32), and its
+    tokenizer: the tests below score with it between the engine's requests."""
+    return coder_pair._worker.runtime.scorer.model, coder_pair.tokenizer
+
+
 CODE = "\n\n".join(
     f"def scale_{name}(value):\n    \"\"\"Scale a reading from sensor {name}.\"\"\"\n"
     f"    value = value * {factor}\n    return value + {offset}"
@@ -82,12 +88,12 @@ def test_the_coder_pair_answers_a_code_question_dense_and_with_specprefill(coder
     assert (dense.token_ids, sparse.token_ids) == RECORDED_CODE_ANSWER, (dense.token_ids, sparse.token_ids)
 
 
-def test_the_small_draft_keeps_the_body_of_the_function_a_question_names():
+def test_the_small_draft_keeps_the_body_of_the_function_a_question_names(coder_draft):
     """Over ~1K tokens of similar functions, "which number does `f` add": the 0.5B draft's
     last token attends nowhere in particular, while the question's own words find `f`'s
     definition; the answer follows it, within the spread. The engine's scoring, at its
     keep, holds the answer's tokens."""
-    draft, tokenizer = load_model(str(convert_real("qwen2.5-coder-0.5b")))
+    draft, tokenizer = coder_draft
     case = code_tasks.make_case(tokenizer, "code_return", 1024, seed=0)
     importance = score_tokens(draft, case.ids, step_size=512)
     kept = np.asarray(select_chunks(importance, must_keep=np.arange(len(case.ids)) < case.head,
@@ -98,13 +104,13 @@ def test_the_small_draft_keeps_the_body_of_the_function_a_question_names():
     assert np.isin(np.arange(start, end), kept).all(), (start, end)
 
 
-def test_in_an_agents_prompt_the_draft_finds_the_function_its_question_names():
+def test_in_an_agents_prompt_the_draft_finds_the_function_its_question_names(coder_draft):
     """A coding agent's prompt (~1.7K tokens): the question, then the read_file call and
     the file. The prompt's last tokens are the file's end and the template, so the draft
     reads the question again after the prompt (its `question`); the selection at keep 0.3
     then holds the asked function whole. Without it the view held none of it, and the
     target answered that the file does not mention the function."""
-    draft, tokenizer = load_model(str(convert_real("qwen2.5-coder-0.5b")))
+    draft, tokenizer = coder_draft
     case = code_tasks.make_case(tokenizer, "code_return", 1500, seed=0)
     message, _ = prose_tasks.parts(tokenizer, case.ids, case.head)
     chat = render_chat(tokenizer, prose_tasks.agent_messages(message, "records.py"),
