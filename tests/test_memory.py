@@ -132,7 +132,7 @@ def test_the_prefix_caches_give_memory_back_before_a_request_is_refused(fresh_ca
 def test_each_request_reports_its_kv_and_the_sparse_views_saving(fresh_cache_dir):
     seen = []
     with Engine(densify="off") as engine:
-        prompt = chat(engine.tokenizer, 6, 3000)
+        prompt = chat(engine.tokenizer, 6, 2000)
 
         def watch(generated, logits):  # on the worker, mid-decode
             seen.append(engine.stats()["memory"].requests)
