@@ -38,6 +38,8 @@ RUNS = {
         ["--engine", "--model", DEMO_TARGET, "--draft", DEMO_DRAFT, "--kinds", "passkey",
          "--placements", "user", "tool", "agent", "--lengths", "384", "--repeats", "1", "--json",
          "{json}"],
+        ["--repeat-check", "--model", DEMO_TARGET, "--kinds", "code_return", "--placements",
+         "agent", "--lengths", "300", "--repeats", "1", "--json", "{json}"],
     ],
     "throughput.py": [
         ["--shape", "tiny", "--streams", "2", "--lengths", "64", "--new-tokens", "8",
