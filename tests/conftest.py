@@ -26,22 +26,10 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) /
 import specprefill_engine  # noqa: E402,F401  (loads the optimized BLAS before MLX)
 
 
-# the files that take longest, slowest first: two workers (pyproject's addopts) then end
-# together instead of one running a long file alone at the end. pytest-xdist would order
-# the files by their number of tests instead; pytest_configure turns that off
-SLOW_FIRST = ("test_real_weights.py", "test_distributed.py", "test_disk_cache.py",
-              "test_server.py", "test_langchain.py", "test_policy.py",
-              "test_server_clients.py", "test_vouch.py", "test_core_demo.py",
-              "test_benchmarks.py", "test_cli.py", "test_sessions.py", "test_speculative.py",
-              "test_batching.py", "test_reliability.py", "test_trust.py", "test_failures.py",
-              "test_densify.py", "test_quantized_kv.py", "test_readme.py", "test_repair.py",
-              "test_storm.py", "test_agent_turns.py", "test_thinking.py", "test_examples.py",
-              "test_memory.py")
-
-
-def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --dist loadfile
-        config.option.loadscopereorder = False
+# the files that take longest, started first: two workers (pyproject's addopts) then end
+# together instead of one running the real pair's conversion alone at the end
+SLOW_FIRST = ("test_real_weights.py", "test_core_demo.py", "test_vouch.py",
+              "test_distributed.py")
 
 
 def pytest_collection_modifyitems(items):
