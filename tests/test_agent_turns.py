@@ -101,7 +101,7 @@ def test_plain_prompts_and_token_ids_get_no_segments(demo_pair):
 
 def test_the_same_prompt_keeps_the_same_tokens_whatever_came_before(demo_pair):
     _, _, tokenizer = demo_pair
-    prompt = make_case(tokenizer, 21, "registry", 2500).messages
+    prompt = make_case(tokenizer, 21, "registry", 1500).messages
     with Engine() as fresh:
         alone = fresh.generate_sync(prompt, max_tokens=10, specprefill=True)
     with Engine(densify="off") as used:  # the timing of a densify would change history
