@@ -73,7 +73,7 @@ def test_bench_and_eval_run_quick_versions():
 
 
 def test_piped_progress_in_tokens_per_phase_and_the_cut_answer():
-    run = cli("demo", "--tokens", "2000", "--specprefill", "--compare", "--max-tokens", "2")
+    run = cli("demo", "--tokens", "1200", "--specprefill", "--compare", "--max-tokens", "2")
     assert run.returncode == 0, run.stderr
     err = run.stderr
     prompt, kept = map(int, re.search(r"prompt (\d+) tokens, kept (\d+)/", err).groups())
