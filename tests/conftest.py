@@ -26,17 +26,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) /
 import specprefill_engine  # noqa: E402,F401  (loads the optimized BLAS before MLX)
 
 
-# the files that take longest, started first: two workers (pyproject's addopts) then end
-# together instead of one running the real pair's conversion alone at the end
-SLOW_FIRST = ("test_real_weights.py", "test_core_demo.py", "test_vouch.py",
-              "test_distributed.py")
-
-
-def pytest_collection_modifyitems(items):
-    order = {name: rank for rank, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: order.get(item.path.name, len(order)))
-
-
 @pytest.fixture(scope="session")
 def demo_pair():
     from specprefill_engine.loading import DEMO_DRAFT, load_model

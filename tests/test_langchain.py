@@ -363,7 +363,7 @@ def test_enable_thinking_reaches_the_template(how):
 # lifecycle and fields ---------------------------------------------------------------
 
 
-def test_one_engine_per_model_draft_dtype_and_close():
+def test_one_engine_per_model_draft_dtype_and_close(fresh_cache_dir):
     a, b = ChatSpecPrefill(keep=0.3), ChatSpecPrefill(keep=0.6, threshold=64, temperature=0.5)
     assert a.engine is b.engine
     assert shared_engine(None, None, "bfloat16") is not a.engine  # built, not started
