@@ -336,72 +336,14 @@ def needles_kept(engine, tokenizer, case, prompt: Rendered):
     return round(seen / needed, 3) if needed else None
 
 
-def engine_run(args) -> None:
-    """The engine's rows (`--engine`), one JSON line per case and placement."""
-    from specprefill_engine import Engine
-
-    out = Path(args.json)
+def placed_cases(args, tokenizer, out: Path):
+    """The cases of `--repeats`, `--lengths`, `--kinds` and `--placements` that `out` (and
+    any --done file) lacks, placed: (case, placement, prompt, max_tokens, row), `row` the
+    case's identity, until `--until` seconds have passed."""
     out.touch()
     done = {(r["model"], r["kind"], r["length"], r["seed"], r["placement"])
             for path in [out, *args.done]
             for r in map(json.loads, Path(path).read_text().splitlines())}
-    target, draft = (str(load_folder(name, args.folder, path_only=True))
-                     for name in (args.model[0], args.draft))
-    keep, started = args.keeps[0], time.perf_counter()
-    with Engine(model=target, draft=draft, match_weight=args.match_weight) as engine:
-        tokenizer = engine.tokenizer
-        for seed in range(args.repeats):
-            for length in args.lengths:
-                for kind in args.kinds:
-                    case = make_case(tokenizer, kind, length, seed)
-                    for placement in args.placements:
-                        key = (args.model[0], kind, length, seed, placement)
-                        if key in done:
-                            continue
-                        if args.until and time.perf_counter() - started > args.until:
-                            return
-                        prompt = placed(tokenizer, case, placement)
-                        max_tokens = case.max_tokens + (FREE_REPLY if placement == "agent" else 0)
-                        row = {"model": args.model[0], "draft_model": args.draft, "kind": kind,
-                               "length": length, "seed": seed, "placement": placement,
-                               "tokens": int(prompt.tokens.size), "max_tokens": max_tokens,
-                               "device": str(mx.default_device())}
-                        runs = {"default": {},
-                                "dense": {"specprefill": False, "cache_prompt": False},
-                                "forced": {"specprefill": True, "keep": keep,
-                                           "cache_prompt": False}}
-                        for method, options in runs.items():
-                            result = engine.generate_sync(prompt, max_tokens=max_tokens,
-                                                          temperature=0.0, **options)
-                            report = result.specprefill
-                            row[method] = judged(case, result.text, placement)
-                            row[f"{method}_text"] = result.text
-                            row[f"{method}_engaged"] = report.engaged
-                            row[f"{method}_kept"] = report.kept_tokens
-                            if method == "default":
-                                row["default_reason"] = report.reason
-                        row["forced_needles_kept"] = needles_kept(
-                            engine, tokenizer, case, prompt) if row["forced_engaged"] else None
-                        row["forced_keep"], row["match_weight"] = keep, args.match_weight
-                        with out.open("a") as f:
-                            f.write(json.dumps(row) + "\n")
-                        chose = "engaged" if row["default_engaged"] else "declined"
-                        print(f"{kind} {length} seed {seed} {placement}: dense {row['dense']} "
-                              f"default {row['default']} ({chose}) forced {row['forced']}",
-                              file=sys.stderr, flush=True)
-
-
-def repeat_run(args) -> None:
-    """`--repeat-check`: mlx-lm's own greedy `generate`, each case's prompt twice, no
-    engine: whether the device gives one prompt the same reply twice (the noise a
-    comparison of two rows of `--engine` is read against)."""
-    from mlx_lm.generate import generate
-
-    out = Path(args.json)
-    out.touch()
-    done = {(r["model"], r["kind"], r["length"], r["seed"], r["placement"])
-            for r in map(json.loads, out.read_text().splitlines())}
-    model, tokenizer = load_folder(args.model[0], args.folder)
     started = time.perf_counter()
     for seed in range(args.repeats):
         for length in args.lengths:
@@ -414,15 +356,65 @@ def repeat_run(args) -> None:
                         return
                     prompt = placed(tokenizer, case, placement)
                     max_tokens = case.max_tokens + (FREE_REPLY if placement == "agent" else 0)
-                    first, second = (generate(model, tokenizer, prompt=prompt.tokens.tolist(),
-                                              max_tokens=max_tokens) for _ in range(2))
                     row = {"model": args.model[0], "kind": kind, "length": length, "seed": seed,
                            "placement": placement, "tokens": int(prompt.tokens.size),
-                           "device": str(mx.default_device()), "same": first == second,
-                           "first": judged(case, first, placement),
-                           "second": judged(case, second, placement)}
-                    with out.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
+                           "max_tokens": max_tokens, "device": str(mx.default_device())}
+                    yield case, placement, prompt, max_tokens, row
+
+
+def engine_run(args) -> None:
+    """The engine's rows (`--engine`), one JSON line per case and placement."""
+    from specprefill_engine import Engine
+
+    out = Path(args.json)
+    target, draft = (str(load_folder(name, args.folder, path_only=True))
+                     for name in (args.model[0], args.draft))
+    keep = args.keeps[0]
+    with Engine(model=target, draft=draft, match_weight=args.match_weight) as engine:
+        tokenizer = engine.tokenizer
+        for case, placement, prompt, max_tokens, row in placed_cases(args, tokenizer, out):
+            kind, length, seed = row["kind"], row["length"], row["seed"]
+            row = {**row, "draft_model": args.draft}
+            runs = {"default": {},
+                    "dense": {"specprefill": False, "cache_prompt": False},
+                    "forced": {"specprefill": True, "keep": keep,
+                               "cache_prompt": False}}
+            for method, options in runs.items():
+                result = engine.generate_sync(prompt, max_tokens=max_tokens,
+                                              temperature=0.0, **options)
+                report = result.specprefill
+                row[method] = judged(case, result.text, placement)
+                row[f"{method}_text"] = result.text
+                row[f"{method}_engaged"] = report.engaged
+                row[f"{method}_kept"] = report.kept_tokens
+                if method == "default":
+                    row["default_reason"] = report.reason
+            row["forced_needles_kept"] = needles_kept(
+                engine, tokenizer, case, prompt) if row["forced_engaged"] else None
+            row["forced_keep"], row["match_weight"] = keep, args.match_weight
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            chose = "engaged" if row["default_engaged"] else "declined"
+            print(f"{kind} {length} seed {seed} {placement}: dense {row['dense']} "
+                  f"default {row['default']} ({chose}) forced {row['forced']}",
+                  file=sys.stderr, flush=True)
+
+
+def repeat_run(args) -> None:
+    """`--repeat-check`: mlx-lm's own greedy `generate`, each case's prompt twice, no
+    engine: whether the device gives one prompt the same reply twice (the noise a
+    comparison of two rows of `--engine` is read against)."""
+    from mlx_lm.generate import generate
+
+    out = Path(args.json)
+    model, tokenizer = load_folder(args.model[0], args.folder)
+    for case, placement, prompt, max_tokens, row in placed_cases(args, tokenizer, out):
+        first, second = (generate(model, tokenizer, prompt=prompt.tokens.tolist(),
+                                  max_tokens=max_tokens) for _ in range(2))
+        row.update(same=first == second, first=judged(case, first, placement),
+                   second=judged(case, second, placement))
+        with out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def repeat_table(rows: list) -> str:
