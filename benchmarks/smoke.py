@@ -1,4 +1,4 @@
-"""A CPU smoke run of every entry point: each one's `--help`, then each at tiny sizes on
+"""A CPU smoke run of every entry point: each one's `--help` (all in one process), then each at tiny sizes on
 the demo pair or random-weight "tiny" shapes, its `--json` written to a temporary
 folder. It checks that the suite runs, not what it measures: take no number from it.
 
@@ -78,14 +78,31 @@ RUNS = {
 }
 
 
+# each entry point's `--help`, run as `python benchmarks/NAME --help` would, in one process
+# (an interpreter and MLX started once): the names whose help did not exit 0 are printed
+HELP = """import runpy, sys
+failed = []
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    try:
+        runpy.run_path(path, run_name="__main__")
+        failed.append(path)
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            failed.append(path)
+sys.exit(f"--help failed: {failed}" if failed else 0)
+"""
+
+
 def run(name: str, arguments: list, folder: Path, number: int) -> tuple:
     json_path = folder / f"{name}-{number}.json"
-    command = [sys.executable, str(HERE / name),
-               *[str(json_path) if a == "{json}" else a for a in arguments]]
+    command = [sys.executable, "-c", HELP, *(str(HERE / n) for n in arguments)] \
+        if name == "--help" else [sys.executable, str(HERE / name),
+                                  *[str(json_path) if a == "{json}" else a for a in arguments]]
     env = {**os.environ, "SPECPREFILL_CACHE_DIR": str(folder / f"cache-{number}"),
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
-               p for p in (str(ROOT), str(ROOT / "integrations"), os.environ.get("PYTHONPATH"))
-               if p)}
+               p for p in (str(ROOT), str(ROOT / "integrations"), str(HERE),
+                           os.environ.get("PYTHONPATH")) if p)}
     started = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -98,14 +115,16 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
     args = parser.parse_args(argv)
     names = [n if n.endswith(".py") else f"{n}.py" for n in args.names] or list(RUNS)
-    jobs = []
+    jobs, helps = [], []
     for name in names:
         if not (HERE / name).exists():
             print(f"skip {name}: not written yet (benchmarks/smoke.py runs it once it is)")
             continue
         if name in RUNS and not RUNS[name]:
             print(f"note {name}: --help only here")
-        jobs += [(name, arguments) for arguments in [["--help"], *RUNS.get(name, [])]]
+        helps.append(name)
+        jobs += [(name, arguments) for arguments in RUNS.get(name, [])]
+    jobs.insert(0, ("--help", helps))
     failed = 0
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="specprefill-smoke-") as folder, \
