@@ -1,6 +1,6 @@
-"""A CPU smoke run of every entry point: each one's `--help` (all in one process), then each at tiny sizes on
-the demo pair or random-weight "tiny" shapes, its `--json` written to a temporary
-folder. It checks that the suite runs, not what it measures: take no number from it.
+"""A CPU smoke run of every entry point: each one's `--help` (all in one process), then
+each at tiny sizes on the demo pair or random-weight "tiny" shapes, its `--json` written
+to a temporary folder. It checks that the suite runs, not what it measures: take no number from it.
 
     python benchmarks/smoke.py              # every entry point, about a minute on 2 cores
     python benchmarks/smoke.py ttft agent   # some of them
@@ -96,9 +96,11 @@ sys.exit(f"--help failed: {failed}" if failed else 0)
 
 def run(name: str, arguments: list, folder: Path, number: int) -> tuple:
     json_path = folder / f"{name}-{number}.json"
-    command = [sys.executable, "-c", HELP, *(str(HERE / n) for n in arguments)] \
-        if name == "--help" else [sys.executable, str(HERE / name),
-                                  *[str(json_path) if a == "{json}" else a for a in arguments]]
+    if name == "--help":
+        command = [sys.executable, "-c", HELP, *(str(HERE / n) for n in arguments)]
+    else:
+        command = [sys.executable, str(HERE / name),
+                   *[str(json_path) if a == "{json}" else a for a in arguments]]
     env = {**os.environ, "SPECPREFILL_CACHE_DIR": str(folder / f"cache-{number}"),
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
                p for p in (str(ROOT), str(ROOT / "integrations"), str(HERE),

@@ -135,7 +135,7 @@ READ_FILE = {"type": "function", "function": {
                    "required": ["path"]}}}
 # Qwen2.5-Coder-Instruct's greedy reply (float32, 29 tokens; the 0.5B and the 1.5B write
 # the same), under the "auto" call grammar or none: the call as a fenced JSON block, not
-# in the template's <tool_call> tags. The 0.5B decodes it in a third of the 1.5B's time.
+# in the template's <tool_call> tags.
 FENCED_CALL = '```json\n{\n  "name": "read_file",\n  "arguments": {\n    "path": "main.py"\n  }\n}\n```'
 
 
