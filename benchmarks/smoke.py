@@ -1,6 +1,7 @@
 """A CPU smoke run of every entry point: each one's `--help` (all in one process), then
 each at tiny sizes on the demo pair or random-weight "tiny" shapes, its `--json` written
-to a temporary folder. It checks that the suite runs, not what it measures: take no number from it.
+to a temporary folder. It checks that the suite runs, not what it measures: take no
+number from it.
 
     python benchmarks/smoke.py              # every entry point, about a minute on 2 cores
     python benchmarks/smoke.py ttft agent   # some of them
