@@ -89,7 +89,7 @@ async def test_cancellation_storm_leaves_the_engine_as_fresh():
         expected = await reference_outputs(fresh, cases)
     async with Engine() as engine:
         bystanders, victims = [], 0
-        for wave in range(12):
+        for wave in range(8):
             jobs = []
             for slot in range(10):
                 messages, options = rng.choice(cases)
@@ -102,7 +102,7 @@ async def test_cancellation_storm_leaves_the_engine_as_fresh():
             await asyncio.wait_for(asyncio.gather(*jobs), 300)
         for index, task in bystanders:
             assert (await task).token_ids == expected[index]
-        assert victims >= 100
+        assert victims >= 80
         for _ in range(100):  # aborted requests end within a few scheduler turns
             if not engine.active_request_ids:
                 break
