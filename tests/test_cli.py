@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from specprefill_engine.cli import parser
+from specprefill_engine.cli import main, parser
 from specprefill_engine.demo_tasks import make_case
 
 
@@ -51,15 +51,18 @@ def test_ask_streams_the_answer_and_a_summary(tmp_path, demo_pair):
         (lambda p: ["demo", "--tokens", "-5"], "--tokens must be at least"),
     ],
 )
-def test_user_errors_print_one_line_and_exit_nonzero(tmp_path, make_args, message):
+def test_user_errors_print_one_line_and_exit_nonzero(tmp_path, capsys, make_args, message):
+    """`main` as the console script calls it, in this process (an interpreter start for
+    each one-line error would take most of the test's time)."""
     (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02binary")
     (tmp_path / "doc.txt").write_text("x = 1\n")
     (tmp_path / "huge.txt").write_text("1 2 3 4 5 6 7 8 9 0\n" * 2000)
-    run = cli(*make_args(tmp_path))
-    assert run.returncode == 2
-    assert message in run.stderr
-    assert "Traceback" not in run.stderr
-    assert len(run.stderr.strip().splitlines()) == 1
+    code = main(make_args(tmp_path))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_bench_and_eval_run_quick_versions():
