@@ -337,15 +337,15 @@ def needles_kept(engine, tokenizer, case, prompt: Rendered):
 
 
 def placed_cases(args, tokenizer, out: Path):
-    """The cases of `--repeats`, `--lengths`, `--kinds` and `--placements` that `out` (and
-    any --done file) lacks, placed: (case, placement, prompt, max_tokens, row), `row` the
-    case's identity, until `--until` seconds have passed."""
+    """The cases of `--repeats` (or `--seeds`), `--lengths`, `--kinds` and `--placements`
+    that `out` (and any --done file) lacks, placed: (case, placement, prompt, max_tokens,
+    row), `row` the case's identity, until `--until` seconds have passed."""
     out.touch()
     done = {(r["model"], r["kind"], r["length"], r["seed"], r["placement"])
             for path in [out, *args.done]
             for r in map(json.loads, Path(path).read_text().splitlines())}
     started = time.perf_counter()
-    for seed in range(args.repeats):
+    for seed in args.seeds or range(args.repeats):
         for length in args.lengths:
             for kind in args.kinds:
                 case = make_case(tokenizer, kind, length, seed)
@@ -691,6 +691,8 @@ def main(argv=None) -> int:
                         default=["user"], help="--engine, --repeat-check: the document in a "
                         "user message, a read_file result, or one without the reply's "
                         "opening (agent)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="--engine, --repeat-check: these "
+                        "cases only, in place of --repeats' seeds 0 .. N-1")
     parser.add_argument("--table", nargs="*", help="print the table of these JSON-lines files")
     parser.add_argument("--plot", help="with --table: draw accuracy retained against keep")
     args = parser.parse_args(argv)

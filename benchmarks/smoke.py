@@ -40,7 +40,7 @@ RUNS = {
          "--placements", "user", "tool", "agent", "--lengths", "384", "--repeats", "1", "--json",
          "{json}"],
         ["--repeat-check", "--model", DEMO_TARGET, "--kinds", "code_return", "--placements",
-         "agent", "--lengths", "300", "--repeats", "1", "--json", "{json}"],
+         "agent", "--lengths", "300", "--seeds", "1", "--json", "{json}"],
     ],
     "throughput.py": [
         ["--shape", "tiny", "--streams", "2", "--lengths", "64", "--new-tokens", "8",
