@@ -699,6 +699,8 @@ def main(argv=None) -> int:
     args.keeps = args.keeps or ([0.3] if args.engine else [0.1, 0.2, 0.3])
     if args.engine and (args.model is None or len(args.keeps) != 1):
         parser.error("--engine needs --model, --draft and one keep (--keeps K)")
+    if args.seeds and not (args.engine or args.repeat_check):
+        parser.error("--seeds picks the cases of --engine and --repeat-check only")
     if args.model is None and args.table is None:
         if args.kinds and not set(args.kinds) <= set(DEMO_KINDS):
             parser.error(f"the demo pair's kinds are {list(DEMO_KINDS)}")
