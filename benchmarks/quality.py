@@ -39,7 +39,8 @@ opening with the answer's first words; `agent` is that shape as a client sends i
 opening (right: the reply holds the answer; the question is then not among the prompt's
 last tokens, the draft's query). One engine serves all three rows; the dense and forced
 rows neither read nor fill its prefix cache.
-`--match-weight W` gives the engine `match_weight=W` (the question's matches, every row).
+`--match-weight W` gives the engine `match_weight=W` (the question's matches, every row);
+`--rows` runs only those of the three.
 `--repeat-check`: no engine, mlx-lm's own greedy `generate` of each placed prompt twice:
 whether the device repeats a reply (the noise two `--engine` rows are compared against).
 
@@ -380,6 +381,8 @@ def engine_run(args) -> None:
                     "forced": {"specprefill": True, "keep": keep,
                                "cache_prompt": False}}
             for method, options in runs.items():
+                if method not in args.rows:
+                    continue
                 result = engine.generate_sync(prompt, max_tokens=max_tokens,
                                               temperature=0.0, **options)
                 report = result.specprefill
@@ -390,14 +393,13 @@ def engine_run(args) -> None:
                 if method == "default":
                     row["default_reason"] = report.reason
             row["forced_needles_kept"] = needles_kept(
-                engine, tokenizer, case, prompt) if row["forced_engaged"] else None
+                engine, tokenizer, case, prompt) if row.get("forced_engaged") else None
             row["forced_keep"], row["match_weight"] = keep, args.match_weight
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            chose = "engaged" if row["default_engaged"] else "declined"
-            print(f"{kind} {length} seed {seed} {placement}: dense {row['dense']} "
-                  f"default {row['default']} ({chose}) forced {row['forced']}",
-                  file=sys.stderr, flush=True)
+            print(f"{kind} {length} seed {seed} {placement}: " + " ".join(
+                f"{method} {row[method]}" for method in runs if method in row),
+                file=sys.stderr, flush=True)
 
 
 def repeat_run(args) -> None:
@@ -446,16 +448,18 @@ def engine_table(rows: list) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (model, length, group, placement), cell in sorted(cells.items()):
         dense = sum(r["dense"] for r in cell)
-        right = {m: sum(r[m] for r in cell) for m in ("default", "forced")}
-        held = {m: sum(r[m] for r in cell if r["dense"]) for m in ("default", "forced")}
-        engaged = sum(r["default_engaged"] for r in cell)
+        right = {m: sum(r.get(m, False) for r in cell) for m in ("default", "forced")}
+        held = {m: sum(r.get(m, False) for r in cell if r["dense"])
+                for m in ("default", "forced")}
+        engaged = sum(r.get("default_engaged", False) for r in cell)
         lost = [r for r in cell if r["dense"] and not r["forced"]]
         views = [r.get("forced_needles_kept") for r in lost]
         whole = sum(view == 1.0 for view in views)
         keep = cell[0]["forced_keep"]
+        default = (f"{engaged} of {len(cell)}; {right['default']}; {held['default']} of "
+                   f"{dense}") if all("default" in r for r in cell) else "not run"
         lines.append(f"| {model} | {length} | {group} | {placement} | {len(cell)} | {dense} | "
-                     f"{engaged} of {len(cell)}; {right['default']}; {held['default']} of "
-                     f"{dense} | {keep}: {right['forced']}; {held['forced']} of {dense} | "
+                     f"{default} | {keep}: {right['forced']}; {held['forced']} of {dense} | "
                      f"{len(lost)}: whole in {whole}, measured in "
                      f"{sum(view is not None for view in views)} |")
     return "\n".join(lines)
@@ -667,6 +671,9 @@ def main(argv=None) -> int:
     parser.add_argument("--scorers", nargs="+", choices=SCORERS,
                         help="default: self and layers, and draft with --draft; the random "
                              "control takes the first one's kept count")
+    parser.add_argument("--rows", nargs="+", choices=["default", "dense", "forced"],
+                        default=["default", "dense", "forced"],
+                        help="--engine: the rows to run (the table needs dense's)")
     parser.add_argument("--match-weight", type=float, default=MATCH_WEIGHT,
                         help="the question's matches, as the engine's `match_weight` (0: off)")
     parser.add_argument("--draft-layers", type=float, default=0.4,

@@ -24,6 +24,19 @@ def test_a_run_of_the_question_marks_its_earlier_occurrences_by_rarity():
     assert not question_match(keys, words, window=keys.size).any()  # no prompt before it
 
 
+def test_a_question_before_later_messages_marks_the_file_after_it():
+    """A coding agent's prompt: the question (positions 2-5), then the file that holds
+    the asked name (7 8 at 12-13), then the prompt's last tokens. The name is marked where
+    the question's positions are given, and not where only the last window is read."""
+    keys = np.array([1, 2, 7, 8, 3, 4, 5, 6, 9, 10, 11, 12, 7, 8, 13, 14, 15, 16])
+    words = np.ones(keys.size, bool)
+    match = question_match(keys, words, window=3, question=np.arange(2, 6))
+    expected = np.zeros(keys.size, np.float32)
+    expected[[12, 13]] = 1.0
+    assert match.tolist() == expected.tolist()
+    assert not question_match(keys, words, window=3).any()
+
+
 def test_a_unique_match_ranks_with_the_drafts_top_and_its_passage_is_kept():
     """The draft's attention points elsewhere; the question's rare run pulls the chunks
     after its earlier occurrence into the selection, as the spread carries a peak."""

@@ -1,16 +1,20 @@
-"""Where the question's own words occur earlier in the prompt.
+"""Where the question's own words occur elsewhere in the prompt.
 
 A small draft's attention finds a passage by meaning; it often misses one named only by
 an identifier (a function's name among dozens like it, a key among similar keys),
 where the target, reading the whole prompt, would find it. So the selection also ranks
-by exact matches: every run of 2-4 tokens in the prompt's last `window` tokens (the
-question) that occurs before them marks each earlier occurrence, weighted by how rare
-it is there (1 / its count: a run repeated everywhere points nowhere). A run counts
-only with at least two word tokens and no control token (the chat template's markers
-repeat at every turn). Tokens compare by `keys`: one integer per token, equal for
-tokens that are the same word with other spacing or case (" group" and "group"),
-negative for control tokens. The engine adds the matches where `match_weight` asks.
+by exact matches: every run of 2-4 tokens of the question (the prompt's last `window`
+tokens, and the asked message's own positions where later messages follow it, as a
+coding agent's file follows its question) that occurs elsewhere in the prompt marks each
+of those occurrences, weighted by how rare it is there (1 / its count: a run repeated
+everywhere points nowhere). A run counts only with at least two word tokens and no
+control token (the chat template's markers repeat at every turn). Tokens compare by
+`keys`: one integer per token, equal for tokens that are the same word with other
+spacing or case (" group" and "group"), negative for control tokens. The engine adds
+the matches where `match_weight` asks.
 """
+
+from typing import Optional
 
 import numpy as np
 
@@ -21,9 +25,10 @@ MATCH_WEIGHT = 0.0
 
 
 def question_match(keys: np.ndarray, words: np.ndarray, window: int,
-                   runs: tuple = RUNS) -> np.ndarray:
+                   question: Optional[np.ndarray] = None, runs: tuple = RUNS) -> np.ndarray:
     """Per token, in [0, 1]: the highest 1 / count of a question run it is part of (0
-    where none), over the tokens before the last `window`; those get 0.
+    where none), over the tokens outside the question (the last `window` and the
+    positions `question`); the question's own tokens get 0.
 
     keys: int per token, equal for the same word, negative for a control token (no run
     holding one counts); words: bool per token, True where it holds a letter or digit."""
@@ -33,9 +38,12 @@ def question_match(keys: np.ndarray, words: np.ndarray, window: int,
         raise ValueError(f"keys and words must be 1-D of one length, got {keys.shape} and "
                          f"{words.shape}")
     length = keys.size
-    body = length - window
     match = np.zeros(length, dtype=np.float32)
-    if window < 1 or body < 1:
+    asked = np.zeros(length, dtype=bool)
+    asked[max(length - max(window, 0), 0):] = window > 0
+    if question is not None:
+        asked[np.asarray(question, dtype=np.int64)] = True
+    if asked.all() or not asked.any():
         return match
     control = keys < 0
     for size in runs:
@@ -45,15 +53,19 @@ def question_match(keys: np.ndarray, words: np.ndarray, window: int,
         code = np.zeros(starts.size, dtype=np.int64)
         count = np.zeros(starts.size, dtype=np.int64)
         bad = np.zeros(starts.size, dtype=bool)
+        inside = np.ones(starts.size, dtype=bool)  # the run lies in the question
+        outside = np.ones(starts.size, dtype=bool)  # ... wholly out of it
         for offset in range(size):  # a run as one integer (wrapping: collisions negligible)
             code = code * np.int64(1_000_003) + keys[starts + offset]
             count += words[starts + offset]
             bad |= control[starts + offset]
+            inside &= asked[starts + offset]
+            outside &= ~asked[starts + offset]
         usable = ~bad & (count >= 2)
-        asked = np.unique(code[usable & (starts >= body)])
-        earlier = usable & (starts + size <= body)
-        codes, first = code[earlier], starts[earlier]
-        found = np.isin(codes, asked)
+        wanted = np.unique(code[usable & inside])
+        elsewhere = usable & outside
+        codes, first = code[elsewhere], starts[elsewhere]
+        found = np.isin(codes, wanted)
         if not found.any():
             continue
         _, inverse, counts = np.unique(codes, return_inverse=True, return_counts=True)

@@ -441,7 +441,8 @@ def plan_sparse(state: RequestState, runtime: Runtime, caches: PrefixIndexes,
     length = tokens.size
     if config.match_weight:
         importance = with_matches(importance, question_match(
-            *runtime.words(tokens), min(config.n_window, length)), config.match_weight)
+            *runtime.words(tokens), min(config.n_window, length), state.question),
+            config.match_weight)
     starts = runtime.blank_lines(tokens) if runtime.blank_lines is not None else None
     selected = np.asarray(select_chunks(
         importance, state.keep, config.chunk_size, config.backbone_pct, config.tail_tokens,
