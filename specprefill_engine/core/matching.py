@@ -19,9 +19,9 @@ from typing import Optional
 import numpy as np
 
 RUNS = (2, 3, 4)  # lengths of the question's token runs looked for
-# off by default: on the real pair's agent loop the draft's selection with the matches
-# held fewer of dense's answers than without (docs/benchmarks.md, "The question's words")
-MATCH_WEIGHT = 0.0
+# on the real pair's code lookups a run found once ranks with the draft's top: the view
+# then holds more of dense's answers in every placement (docs/benchmarks.md)
+MATCH_WEIGHT = 1.0
 
 
 def question_match(keys: np.ndarray, words: np.ndarray, window: int,
