@@ -71,8 +71,8 @@ def test_token_words_compare_a_word_whatever_its_spacing_and_case(demo_pair):
 def test_the_engine_keeps_the_line_a_question_names_whatever_its_draft(tmp_path,
                                                                        fresh_cache_dir):
     """A random-weight draft ranks nothing; at keep 0.1 the registry line the question
-    names is kept by the match alone (match_weight=1), and the demo target answers from
-    it. Without the match (0, the default) the same selection loses it."""
+    names is kept by the match alone (match_weight=1, the default), and the demo target
+    answers from it. Without the match (0) the same selection loses it."""
     from models import save_with_demo_tokenizer
 
     from specprefill_engine import Engine

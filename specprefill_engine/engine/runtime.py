@@ -85,7 +85,7 @@ class EngineConfig:
     n_window: int = N_WINDOW
     pool_kernel: int = POOL_KERNEL
     spread: int = SPREAD  # tokens after an important one whose chunks rank with it
-    # the question's words found earlier in the prompt rank with the draft's top (x this;
+    # the question's words found elsewhere in the prompt rank with the draft's top (x this;
     # `core/matching.py`); 0: the draft's attention alone
     match_weight: float = MATCH_WEIGHT
     step_size: Optional[int] = None
