@@ -447,20 +447,22 @@ def engine_table(rows: list) -> str:
              "right; held | forced keep: right; held | forced lost: needles in the view |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (model, length, group, placement), cell in sorted(cells.items()):
-        dense = sum(r["dense"] for r in cell)
+        ran = {m: all(m in r for r in cell) for m in ("default", "dense", "forced")}
+        dense = sum(r.get("dense", False) for r in cell) if ran["dense"] else "not run"
         right = {m: sum(r.get(m, False) for r in cell) for m in ("default", "forced")}
-        held = {m: sum(r.get(m, False) for r in cell if r["dense"])
+        held = {m: sum(r.get(m, False) for r in cell if r.get("dense"))
                 for m in ("default", "forced")}
         engaged = sum(r.get("default_engaged", False) for r in cell)
-        lost = [r for r in cell if r["dense"] and not r["forced"]]
+        lost = [r for r in cell if r.get("dense") and not r.get("forced")]
         views = [r.get("forced_needles_kept") for r in lost]
         whole = sum(view == 1.0 for view in views)
-        keep = cell[0]["forced_keep"]
-        default = (f"{engaged} of {len(cell)}; {right['default']}; {held['default']} of "
-                   f"{dense}") if all("default" in r for r in cell) else "not run"
+        keep = cell[0].get("forced_keep")
+        shown = {m: (f"{right[m]}; {held[m]} of {dense}" if ran["dense"] else f"{right[m]}")
+                 if ran[m] else "not run" for m in ("default", "forced")}  # held: dense's row
+        default = f"{engaged} of {len(cell)}; {shown['default']}" if ran["default"] else "not run"
+        forced = f"{keep}: {shown['forced']}" if ran["forced"] else "not run"
         lines.append(f"| {model} | {length} | {group} | {placement} | {len(cell)} | {dense} | "
-                     f"{default} | {keep}: {right['forced']}; {held['forced']} of {dense} | "
-                     f"{len(lost)}: whole in {whole}, measured in "
+                     f"{default} | {forced} | {len(lost)}: whole in {whole}, measured in "
                      f"{sum(view is not None for view in views)} |")
     return "\n".join(lines)
 
