@@ -40,7 +40,8 @@ def question_match(keys: np.ndarray, words: np.ndarray, window: int,
     length = keys.size
     match = np.zeros(length, dtype=np.float32)
     asked = np.zeros(length, dtype=bool)
-    asked[max(length - max(window, 0), 0):] = window > 0
+    if window > 0:
+        asked[-window:] = True
     if question is not None:
         asked[np.asarray(question, dtype=np.int64)] = True
     if asked.all() or not asked.any():
