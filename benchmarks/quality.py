@@ -457,8 +457,8 @@ def engine_table(rows: list) -> str:
         views = [r.get("forced_needles_kept") for r in lost]
         whole = sum(view == 1.0 for view in views)
         keep = cell[0].get("forced_keep")
-        shown = {m: (f"{right[m]}; {held[m]} of {dense}" if ran["dense"] else f"{right[m]}")
-                 if ran[m] else "not run" for m in ("default", "forced")}  # held: dense's row
+        shown = {m: f"{right[m]}; {held[m]} of {dense}" if ran["dense"] else f"{right[m]}"
+                 for m in ("default", "forced")}  # held needs dense's row
         default = f"{engaged} of {len(cell)}; {shown['default']}" if ran["default"] else "not run"
         forced = f"{keep}: {shown['forced']}" if ran["forced"] else "not run"
         lines.append(f"| {model} | {length} | {group} | {placement} | {len(cell)} | {dense} | "
@@ -675,7 +675,7 @@ def main(argv=None) -> int:
                              "control takes the first one's kept count")
     parser.add_argument("--rows", nargs="+", choices=["default", "dense", "forced"],
                         default=["default", "dense", "forced"],
-                        help="--engine: the rows to run (the table needs dense's)")
+                        help="--engine: the rows to run (held needs dense's)")
     parser.add_argument("--match-weight", type=float, default=MATCH_WEIGHT,
                         help="the question's matches, as the engine's `match_weight` (0: off)")
     parser.add_argument("--draft-layers", type=float, default=0.4,
